@@ -1,0 +1,46 @@
+"""A shared-memory slab arena and slot allocator. Knows nothing of torch or DataLoader.
+
+Owner side: :class:`Arena` creates slabs (:class:`Slab`) on demand, hands out slots
+(:class:`SlotRef`) through ``acquire`` and takes them back through ``release``. Other processes
+attach a slab from its :class:`SlabSpec`, write a batch with :class:`SlotWriter`, and describe it
+with a :class:`Descriptor`; the owner views it in place with :func:`views`.
+"""
+
+from arena._layout import ALIGN, DTYPE_CODE, DTYPES, PAGE
+from arena.allocator import Arena, SlotRef, SlotState, default_max_bytes
+from arena.descriptor import ArraySpec, Descriptor
+from arena.errors import ArenaCapacityError, ArenaError, ArenaExhaustedError, StaleSlotError
+from arena.segment import Backend, Segment, SegmentSpec, mem_available_bytes, shm_free_bytes
+from arena.slab import Slab, SlabSpec
+from arena.stats import ArenaStats
+from arena.views import array_view, payload, views
+from arena.writer import SlotWriter
+
+__all__ = [
+    "ALIGN",
+    "DTYPES",
+    "DTYPE_CODE",
+    "PAGE",
+    "Arena",
+    "ArenaCapacityError",
+    "ArenaError",
+    "ArenaExhaustedError",
+    "ArenaStats",
+    "ArraySpec",
+    "Backend",
+    "Descriptor",
+    "Segment",
+    "SegmentSpec",
+    "Slab",
+    "SlabSpec",
+    "SlotRef",
+    "SlotState",
+    "SlotWriter",
+    "StaleSlotError",
+    "array_view",
+    "default_max_bytes",
+    "mem_available_bytes",
+    "payload",
+    "shm_free_bytes",
+    "views",
+]

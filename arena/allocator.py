@@ -1,0 +1,289 @@
+"""The owner's arena: slabs in size classes, the slot-state table, growth up to a byte cap.
+
+Slot life cycle (one state per slot, changed only here)::
+
+    FREE --acquire--> WRITING --mark_ready--> READY --lend--> LENT --release--> FREE
+       ^                 |                      |                                 |
+       +----release------+-------release--------+---------------------------------+
+
+Invariants:
+- A slot's ``generation`` increases by one on every ``acquire``; a :class:`SlotRef` names the
+  generation it was handed out for. Releasing a ref whose generation is not the slot's current one
+  is stale and a no-op; releasing the current generation twice is a bug and raises
+  :class:`StaleSlotError`.
+- ``bytes_reserved <= max_bytes`` always; growth that would pass the cap does not happen.
+- Size classes: a request that fits no existing class creates the class
+  ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would pass
+  the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
+  fitting class. ``acquire`` always prefers the smallest class that fits.
+- Thread safety: every method takes one lock; releases may come from any thread (finalizers).
+- After ``close()`` releases are ignored (late finalizers of views that outlived the arena).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+from arena._layout import page_align
+from arena.errors import ArenaCapacityError, StaleSlotError
+from arena.segment import Backend, mem_available_bytes
+from arena.slab import Slab
+from arena.stats import ArenaStats
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+    LENT = 3
+
+
+_STATE_NAMES = {s: s.name.lower() for s in SlotState}
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """A handle on one slot for one generation."""
+
+    slab_id: int
+    slot: int
+    generation: int
+
+
+def default_max_bytes() -> int:
+    """Default cap: half of the RAM available when the arena is made."""
+    return mem_available_bytes() // 2
+
+
+class Arena:
+    """Owns slabs and hands out their slots. Lives in one process; slabs attach elsewhere."""
+
+    _closed = True  # class default: close() is safe on a half-built object
+
+    def __init__(
+        self,
+        *,
+        backend: Backend | str = Backend.AUTO,
+        max_bytes: int | None = None,
+        slots_per_slab: int = 4,
+    ) -> None:
+        if slots_per_slab < 1:
+            raise ValueError(f"slots_per_slab must be >= 1, got {slots_per_slab}")
+        self.backend = Backend(backend)
+        self.max_bytes = default_max_bytes() if max_bytes is None else int(max_bytes)
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
+        self.slots_per_slab = slots_per_slab
+        self._cond = threading.Condition(threading.Lock())
+        self._slabs: dict[int, Slab] = {}
+        self._states: dict[int, list[SlotState]] = {}
+        self._gens: dict[int, list[int]] = {}
+        self._classes: list[int] = []  # sorted slot sizes
+        self._free: dict[int, list[tuple[int, int]]] = {}  # slot size -> [(slab_id, slot)]
+        self._slots_by_state = dict.fromkeys(SlotState, 0)
+        self._bytes_by_state = dict.fromkeys(SlotState, 0)
+        self._reserved = 0
+        self._high_water = 0
+        self._growth_events = 0
+        self._ids = itertools.count()
+        self._closed = False
+
+    # -- acquiring -----------------------------------------------------------------------------
+
+    def acquire(self, nbytes: int, timeout: float = 0.0) -> SlotRef | None:
+        """A WRITING slot of at least ``nbytes``, growing the arena if needed and allowed.
+
+        Returns ``None`` when the arena is at its cap and no fitting slot became free within
+        ``timeout`` seconds. Raises :class:`ArenaCapacityError` when ``nbytes`` can never fit.
+        """
+        need = page_align(nbytes)
+        if need > self.max_bytes:
+            raise ArenaCapacityError(
+                f"a batch of {nbytes:,} bytes needs a {need:,}-byte slot, larger than the arena "
+                f"cap max_bytes={self.max_bytes:,}; raise the cap (arena_max_bytes) or make "
+                "batches smaller (batch_size)"
+            )
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._check_open()
+            ref = self._take(need)
+            if ref is None and self._grow(need):
+                ref = self._take(need)
+            while ref is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return None
+                self._check_open()
+                ref = self._take(need)
+            return ref
+
+    def _take(self, need: int) -> SlotRef | None:
+        for size in self._classes[bisect.bisect_left(self._classes, need) :]:
+            free = self._free[size]
+            if free:
+                slab_id, slot = free.pop()
+                gen = self._gens[slab_id][slot] + 1
+                self._gens[slab_id][slot] = gen
+                self._move(slab_id, slot, SlotState.WRITING)
+                return SlotRef(slab_id, slot, gen)
+        return None
+
+    def _grow(self, need: int) -> bool:
+        room = self.max_bytes - self._reserved
+        fitting = self._classes[bisect.bisect_left(self._classes, need) :]
+        if fitting:
+            size = fitting[0]
+        else:
+            size = max(need, 2 * self._classes[-1]) if self._classes else need
+            if size > room:
+                size = need
+        nslots = min(self.slots_per_slab, room // size)
+        if nslots < 1:
+            return False
+        slab = Slab.create(next(self._ids), size, nslots, self.backend)
+        self._slabs[slab.slab_id] = slab
+        self._states[slab.slab_id] = [SlotState.FREE] * nslots
+        self._gens[slab.slab_id] = [0] * nslots
+        if size not in self._free:
+            bisect.insort(self._classes, size)
+            self._free[size] = []
+        # Pop from the end hands out slot 0 first.
+        self._free[size].extend((slab.slab_id, s) for s in reversed(range(nslots)))
+        self._slots_by_state[SlotState.FREE] += nslots
+        self._bytes_by_state[SlotState.FREE] += size * nslots
+        self._reserved += size * nslots
+        self._growth_events += 1
+        return True
+
+    # -- transitions ---------------------------------------------------------------------------
+
+    def mark_ready(self, ref: SlotRef) -> None:
+        """WRITING -> READY: the writer has finished."""
+        self._transition(ref, SlotState.WRITING, SlotState.READY)
+
+    def lend(self, ref: SlotRef) -> None:
+        """READY -> LENT: views of the slot are now with the user."""
+        self._transition(ref, SlotState.READY, SlotState.LENT)
+
+    def _transition(self, ref: SlotRef, src: SlotState, dst: SlotState) -> None:
+        with self._cond:
+            self._check_open()
+            state = self._state_of(ref)
+            if state is not src:
+                raise StaleSlotError(
+                    f"slot {ref.slot} of slab {ref.slab_id} (generation {ref.generation}) is "
+                    f"{state.name}, expected {src.name} before moving it to {dst.name}"
+                )
+            self._move(ref.slab_id, ref.slot, dst)
+
+    def release(self, ref: SlotRef) -> bool:
+        """Any state -> FREE. False if the ref is stale (a no-op); raises on a double release."""
+        with self._cond:
+            if self._closed:
+                return False
+            gens = self._gens.get(ref.slab_id)
+            if gens is None or gens[ref.slot] != ref.generation:
+                return False
+            if self._states[ref.slab_id][ref.slot] is SlotState.FREE:
+                raise StaleSlotError(
+                    f"double release of slot {ref.slot} of slab {ref.slab_id} "
+                    f"(generation {ref.generation})"
+                )
+            self._move(ref.slab_id, ref.slot, SlotState.FREE)
+            size = self._slabs[ref.slab_id].slot_size
+            self._free[size].append((ref.slab_id, ref.slot))
+            self._cond.notify_all()
+            return True
+
+    def state(self, ref: SlotRef) -> SlotState:
+        """Current state of the slot ``ref`` names (FREE if ``ref`` is stale)."""
+        with self._cond:
+            gens = self._gens.get(ref.slab_id)
+            if gens is None or gens[ref.slot] != ref.generation:
+                return SlotState.FREE
+            return self._states[ref.slab_id][ref.slot]
+
+    def _state_of(self, ref: SlotRef) -> SlotState:
+        gens = self._gens.get(ref.slab_id)
+        if gens is None or gens[ref.slot] != ref.generation:
+            raise StaleSlotError(
+                f"stale reference to slot {ref.slot} of slab {ref.slab_id}: generation "
+                f"{ref.generation}, current {None if gens is None else gens[ref.slot]}"
+            )
+        return self._states[ref.slab_id][ref.slot]
+
+    def _move(self, slab_id: int, slot: int, dst: SlotState) -> None:
+        states = self._states[slab_id]
+        src = states[slot]
+        size = self._slabs[slab_id].slot_size
+        states[slot] = dst
+        self._slots_by_state[src] -= 1
+        self._slots_by_state[dst] += 1
+        self._bytes_by_state[src] -= size
+        self._bytes_by_state[dst] += size
+        used = self._reserved - self._bytes_by_state[SlotState.FREE]
+        if used > self._high_water:
+            self._high_water = used
+
+    # -- access ---------------------------------------------------------------------------------
+
+    def slab(self, slab_id: int) -> Slab:
+        return self._slabs[slab_id]
+
+    def slabs(self) -> list[Slab]:
+        with self._cond:
+            return list(self._slabs.values())
+
+    def slot_buffer(self, ref: SlotRef) -> memoryview:
+        return self._slabs[ref.slab_id].slot_buffer(ref.slot)
+
+    def slot_size(self, ref: SlotRef) -> int:
+        return self._slabs[ref.slab_id].slot_size
+
+    def stats(self) -> ArenaStats:
+        with self._cond:
+            backends = {s.backend.value for s in self._slabs.values()}
+            return ArenaStats(
+                backend="+".join(sorted(backends)) if backends else "none",
+                bytes_reserved=self._reserved,
+                max_bytes=self.max_bytes,
+                bytes_by_state={_STATE_NAMES[s]: n for s, n in self._bytes_by_state.items()},
+                slots_by_state={_STATE_NAMES[s]: n for s, n in self._slots_by_state.items()},
+                slots_total=sum(self._slots_by_state.values()),
+                slot_sizes=tuple(self._classes),
+                high_water_bytes=self._high_water,
+                growth_events=self._growth_events,
+                slabs=len(self._slabs),
+            )
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the arena is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every slab in this process. Idempotent. Views still alive stay valid."""
+        if self._closed:
+            return
+        with self._cond:
+            self._closed = True
+            slabs, self._slabs = list(self._slabs.values()), {}
+            self._cond.notify_all()
+        for slab in slabs:
+            slab.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Arena(backend={self.backend.value}, reserved={self._reserved:,}, "
+            f"max_bytes={self.max_bytes:,}, slabs={len(self._slabs)})"
+        )

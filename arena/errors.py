@@ -1,0 +1,19 @@
+"""Errors raised by the arena. Each message says what happened, the numbers, and what to change."""
+
+from __future__ import annotations
+
+
+class ArenaError(RuntimeError):
+    """Base class of every arena error."""
+
+
+class ArenaCapacityError(ArenaError):
+    """A segment could not be reserved: the backing store (``/dev/shm`` or RAM) lacks the bytes."""
+
+
+class ArenaExhaustedError(ArenaError):
+    """No slot is free, the arena is at its ``max_bytes`` cap, and nothing in flight frees one."""
+
+
+class StaleSlotError(ArenaError):
+    """A slot was released twice for the same generation, or used in a state that forbids it."""

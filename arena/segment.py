@@ -1,0 +1,218 @@
+"""Shared-memory segments: create (owner), attach (any process), close. The only module that
+touches shared-memory names and segment file descriptors.
+
+Backends:
+- ``posix``: ``shm_open`` under ``/dev/shm`` through ``posix_ipc``; bounded by that mount's size.
+- ``memfd``: ``memfd_create``; anonymous, bounded only by RAM (and the memory cgroup), not by
+  the ``/dev/shm`` mount — so it works inside Docker's default 64 MB ``/dev/shm``.
+- ``auto`` (default): ``posix`` when the request fits in ``/dev/shm``'s free space, else ``memfd``
+  with a one-time warning.
+
+Invariants:
+- A POSIX name exists only inside :meth:`Segment.create`: it is unlinked before ``create`` returns.
+  Attachers never need it, because they reopen the owner's descriptor through
+  ``/proc/<owner_pid>/fd/<fd>``. So a SIGKILLed owner can leave nothing in ``/dev/shm``.
+- The bytes are physically reserved (``posix_fallocate``) before ``create`` returns: running out of
+  shared memory is an :class:`ArenaCapacityError` at creation, never a SIGBUS at first write.
+- Every mapping is pre-faulted (``MAP_POPULATE``), in the owner and in each attacher, so steady
+  state takes no page faults.
+- ``close()`` unmaps and closes this process's handle; it is idempotent. If views still export the
+  mapping, the mapping is left to die with the last view (it is never pulled out from under them).
+- Ownership: the creating process is the owner; the memory is freed by the kernel when the last
+  descriptor and mapping in any process are gone.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import warnings
+from dataclasses import dataclass
+
+import posix_ipc
+
+from arena.errors import ArenaCapacityError
+
+SHM_DIR = "/dev/shm"
+_NAME_PREFIX = "/shmloader-"
+_counter = itertools.count()
+_warned_fallback = threading.Event()
+
+
+class Backend(str, enum.Enum):
+    """Where a segment's bytes live."""
+
+    AUTO = "auto"
+    POSIX = "posix"
+    MEMFD = "memfd"
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """Everything another process needs to attach: pickles as five small fields, never bytes."""
+
+    owner_pid: int
+    fd: int
+    size: int
+    backend: Backend
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still allocate on the tmpfs at ``path`` (0 if absent)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def mem_available_bytes() -> int:
+    """``MemAvailable`` from ``/proc/meminfo``: what memfd segments can still take."""
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0  # pragma: no cover - every Linux since 3.14 has MemAvailable
+
+
+def _capacity_error(nbytes: int, backend: Backend, cause: str) -> ArenaCapacityError:
+    return ArenaCapacityError(
+        f"cannot reserve {nbytes:,} bytes of shared memory with backend {backend.value!r}: "
+        f"{cause}. "
+        f"/dev/shm has {shm_free_bytes():,} bytes free; RAM has {mem_available_bytes():,} bytes "
+        "available. Fixes: give the container more shared memory (docker run --shm-size=8g), "
+        "keep fewer batches in flight (lower prefetch_factor or num_workers, or arena_max_bytes), "
+        "or use arena_backend='memfd' (or 'auto'), which is not bounded by the /dev/shm mount."
+    )
+
+
+def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
+    """The concrete backend ``auto`` picks for a request of ``nbytes``."""
+    backend = Backend(backend)
+    if backend is not Backend.AUTO:
+        return backend
+    if nbytes <= shm_free_bytes():
+        return Backend.POSIX
+    if not _warned_fallback.is_set():
+        _warned_fallback.set()
+        warnings.warn(
+            f"/dev/shm has {shm_free_bytes():,} bytes free, fewer than the {nbytes:,} requested; "
+            "shmloader falls back to anonymous memfd shared memory, which is bounded by RAM, not "
+            "by the /dev/shm mount. Pass arena_backend='memfd' to silence this warning.",
+            ResourceWarning,
+            stacklevel=3,
+        )
+    return Backend.MEMFD
+
+
+def _open_posix(nbytes: int) -> int:
+    name = f"{_NAME_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    try:
+        fd = os.dup(shm.fd)
+    finally:
+        shm.close_fd()
+        shm.unlink()  # the name never outlives create(); attachers use /proc/<pid>/fd
+    return fd
+
+
+def _reserve(fd: int, nbytes: int, backend: Backend) -> None:
+    os.ftruncate(fd, nbytes)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise _capacity_error(nbytes, backend, os.strerror(e.errno)) from None
+        raise
+
+
+class Segment:
+    """One shared-memory segment mapped into this process.
+
+    Create with :meth:`create` (owner) or :meth:`attach` (any process, from a :class:`SegmentSpec`).
+    """
+
+    # Class-level defaults make close() safe on a half-built object.
+    _fd: int = -1
+    _mmap: mmap.mmap | None = None
+
+    def __init__(self, fd: int, size: int, backend: Backend, owner_pid: int) -> None:
+        self._fd = fd
+        self.size = size
+        self.backend = backend
+        self.owner_pid = owner_pid
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        self.buffer: memoryview = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, nbytes: int, backend: Backend | str = Backend.AUTO) -> Segment:
+        """Create, reserve and pre-fault ``nbytes`` of shared memory owned by this process."""
+        if nbytes <= 0:
+            raise ValueError(f"segment size must be positive, got {nbytes}")
+        chosen = resolve_backend(backend, nbytes)
+        if chosen is Backend.POSIX and nbytes > shm_free_bytes():
+            raise _capacity_error(nbytes, chosen, "/dev/shm is too small")
+        if chosen is Backend.MEMFD and nbytes > mem_available_bytes():
+            raise _capacity_error(nbytes, chosen, "not enough available RAM")
+        if chosen is Backend.POSIX:
+            fd = _open_posix(nbytes)
+        else:
+            fd = os.memfd_create("shmloader-slab", os.MFD_CLOEXEC)
+        try:
+            _reserve(fd, nbytes, chosen)
+            return cls(fd, nbytes, chosen, os.getpid())
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, spec: SegmentSpec) -> Segment:
+        """Map the owner's segment into this process (any start method, any time)."""
+        if spec.owner_pid == os.getpid():
+            fd = os.dup(spec.fd)
+        else:
+            try:
+                fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.fd}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"cannot attach shared-memory segment fd {spec.fd} of process "
+                    f"{spec.owner_pid} through /proc: {os.strerror(e.errno or 0)}; the owner "
+                    "may have exited, or /proc is not readable in this container",
+                ) from None
+        try:
+            return cls(fd, spec.size, spec.backend, spec.owner_pid)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def spec(self) -> SegmentSpec:
+        """What another process needs to attach this segment."""
+        return SegmentSpec(self.owner_pid, self._fd, self.size, self.backend)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def close(self) -> None:
+        """Unmap and close this process's handle. Idempotent; never unmaps under live views."""
+        if self._mmap is not None:
+            try:
+                self.buffer.release()
+                self._mmap.close()
+            except BufferError:
+                pass  # views still export it: the mapping dies with the last of them
+            self._mmap = None
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self._fd}"
+        return f"Segment(size={self.size:,}, backend={self.backend.value}, {state})"

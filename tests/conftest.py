@@ -1,0 +1,71 @@
+"""Suite-wide guards: every test must leave no /dev/shm entry and no child process behind.
+
+The guard is autouse, so it applies to every test in the suite. After the test body it collects
+garbage (a dropped loader shuts down through its finalizer), then gives children a bounded grace
+period to exit (``psutil.wait_procs`` with a timeout — a wait on an event, not a sleep), and fails
+the test naming whatever is left. It then kills the leftovers so one leak does not cascade.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+SHM_DIR = "/dev/shm"
+CHILD_GRACE_S = 5.0
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _children() -> dict[int, psutil.Process]:
+    # Children still starting up under fork/spawn are real children, so count them. The
+    # multiprocessing forkserver and resource tracker are long-lived helpers started once per
+    # interpreter by the standard library, not by a test; they are excluded.
+    out: dict[int, psutil.Process] = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        if "forkserver" in cmd or "resource_tracker" in cmd:
+            continue
+        out[p.pid] = p
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    shm_before = _shm_entries()
+    kids_before = set(_children())
+    yield
+    gc.collect()
+    new_kids = [p for pid, p in _children().items() if pid not in kids_before]
+    _, alive = psutil.wait_procs(new_kids, timeout=CHILD_GRACE_S)
+    leaked_shm = sorted(_shm_entries() - shm_before)
+    problems = []
+    if alive:
+        problems.append(
+            "child processes still running after the test: "
+            + ", ".join(f"{p.pid} ({' '.join(p.cmdline())[:80]})" for p in alive)
+        )
+        for p in alive:
+            p.kill()
+        psutil.wait_procs(alive, timeout=CHILD_GRACE_S)
+    if leaked_shm:
+        problems.append(f"/dev/shm entries left behind: {leaked_shm}")
+        for name in leaked_shm:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+    if problems:
+        pytest.fail("; ".join(problems))
