@@ -17,7 +17,9 @@ Invariants:
   the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
   fitting class. ``acquire`` always prefers the smallest class that fits.
 - Thread safety: every method takes one lock; releases may come from any thread (finalizers).
-- After ``close()`` releases are ignored (late finalizers of views that outlived the arena).
+- After ``close()`` the slabs are unmapped in this process (views still alive keep their pages) and
+  ``acquire`` raises, but bookkeeping goes on: late releases still move slots to FREE, so
+  statistics taken after close stay true.
 """
 
 from __future__ import annotations
@@ -184,8 +186,6 @@ class Arena:
     def release(self, ref: SlotRef) -> bool:
         """Any state -> FREE. False if the ref is stale (a no-op); raises on a double release."""
         with self._cond:
-            if self._closed:
-                return False
             gens = self._gens.get(ref.slab_id)
             if gens is None or gens[ref.slot] != ref.generation:
                 return False
@@ -195,8 +195,7 @@ class Arena:
                     f"(generation {ref.generation})"
                 )
             self._move(ref.slab_id, ref.slot, SlotState.FREE)
-            size = self._slabs[ref.slab_id].slot_size
-            self._free[size].append((ref.slab_id, ref.slot))
+            self._free[self._slabs[ref.slab_id].slot_size].append((ref.slab_id, ref.slot))
             self._cond.notify_all()
             return True
 
@@ -277,7 +276,7 @@ class Arena:
             return
         with self._cond:
             self._closed = True
-            slabs, self._slabs = list(self._slabs.values()), {}
+            slabs = list(self._slabs.values())
             self._cond.notify_all()
         for slab in slabs:
             slab.close()

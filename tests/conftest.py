@@ -3,11 +3,14 @@
 The guard is autouse, so it applies to every test in the suite. After the test body it collects
 garbage (a dropped loader shuts down through its finalizer), then gives children a bounded grace
 period to exit (``psutil.wait_procs`` with a timeout — a wait on an event, not a sleep), and fails
-the test naming whatever is left. It then kills the leftovers so one leak does not cascade.
+the test naming whatever is left. It then kills the leftover children so one leak does not
+cascade, and unlinks leftover ``/dev/shm`` entries that carry shmloader's prefix (never other
+programs' entries: a run beside other jobs must not delete their semaphores).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ import psutil
 import pytest
 
 SHM_DIR = "/dev/shm"
+OUR_PREFIX = "shmloader-"
 CHILD_GRACE_S = 5.0
 
 
@@ -63,9 +67,8 @@ def no_leaks() -> Iterator[None]:
     if leaked_shm:
         problems.append(f"/dev/shm entries left behind: {leaked_shm}")
         for name in leaked_shm:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+            if name.startswith(OUR_PREFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
     if problems:
         pytest.fail("; ".join(problems))

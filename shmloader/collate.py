@@ -1,0 +1,112 @@
+"""Collation straight into slot memory, in a worker: the one copy each batch byte gets.
+
+While a worker runs a task, a :class:`SlotSession` is current. Two things allocate from it:
+- the default collate (torch's own ``collate`` dispatch with the tensor rule replaced), which
+  sizes each stacked leaf from its first sample and ``torch.stack``-s the samples into the slot;
+- :func:`empty`, the public helper a custom ``collate_fn`` calls to allocate its outputs inside the
+  slot (``torch.empty`` when no session is current, e.g. under torch's own DataLoader).
+
+Invariants:
+- Allocation never fails: when the slot is full (or there is none yet), the tensor is allocated in
+  private memory and the session is marked ``overflowed``; packing then asks for a bigger slot and
+  copies once more. Steady state takes no extra copy.
+- Only the session's owner thread allocates (workers run tasks one at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from arena import SlotWriter
+from shmloader._torch_compat import collate, collate_tensor_fn, default_collate_fn_map
+from shmloader.dtypes import CODE_OF
+
+_session: SlotSession | None = None
+
+
+class SlotSession:
+    """One batch being written into one slot (``slot is None``: no slot granted yet)."""
+
+    def __init__(self, slot: memoryview | None) -> None:
+        self.slot = slot
+        self.writer = SlotWriter(0 if slot is None else len(slot))
+        self.bytes: torch.Tensor | None = None
+        self.base = 0
+        if slot is not None:
+            self.bytes = torch.frombuffer(slot, dtype=torch.uint8)
+            self.base = self.bytes.data_ptr()
+        self.overflowed = False
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor inside the slot if it fits, else in private memory."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.bytes is None or dtype not in CODE_OF or nbytes == 0:
+            self.overflowed |= self.bytes is None and nbytes > 0
+            return torch.empty(tuple(shape), dtype=dtype)
+        off = self.writer.alloc(nbytes)
+        if off is None:
+            self.overflowed = True
+            return torch.empty(tuple(shape), dtype=dtype)
+        return self.bytes[off : off + nbytes].view(dtype).view(tuple(shape))
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies inside this session's slot."""
+        return (
+            self.bytes is not None
+            and self.base <= ptr
+            and ptr + nbytes <= (self.base + self.writer.capacity)
+        )
+
+    def __enter__(self) -> SlotSession:
+        global _session
+        _session = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _session
+        _session = None
+
+
+def empty(*size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Like ``torch.empty(*size, dtype=dtype)``, allocated inside the current batch's arena slot.
+
+    Call it from a custom ``collate_fn`` for the batch's output tensors (fill them in place, e.g.
+    padding), and shmloader carries them to the main process without another copy. Outside a
+    shmloader worker it is exactly ``torch.empty``. Memory is uninitialised, as with
+    ``torch.empty``: write every element you use.
+    """
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], Sequence) else size
+    dt = torch.get_default_dtype() if dtype is None else dtype
+    if _session is None:
+        return torch.empty(shape, dtype=dt)
+    return _session.empty(shape, dt)
+
+
+def _collate_tensor_in_slot(
+    batch: Sequence[torch.Tensor], *, collate_fn_map: dict[Any, Any] | None = None
+) -> torch.Tensor:
+    elem = batch[0]
+    if (
+        _session is None
+        or elem.layout is not torch.strided
+        or elem.is_nested
+        or elem.device.type != "cpu"
+    ):
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    out = _session.empty((len(batch), *elem.shape), elem.dtype)
+    return torch.stack(list(batch), 0, out=out)
+
+
+SLOT_COLLATE_FN_MAP: dict[Any, Any] = {
+    **default_collate_fn_map,
+    torch.Tensor: _collate_tensor_in_slot,
+}
+
+
+def slot_default_collate(batch: Any) -> Any:
+    """``torch.utils.data.default_collate`` with every stacked tensor born in the slot."""
+    return collate(batch, collate_fn_map=SLOT_COLLATE_FN_MAP)

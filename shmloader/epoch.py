@@ -1,0 +1,361 @@
+"""The multi-process iterator: wires sampler -> dispatch -> workers -> reorder -> lease.
+
+One instance per ``iter(loader)`` (or one for the loader's life with ``persistent_workers``).
+Everything runs in the caller's thread: there is no background thread in the main process. Each
+``__next__`` tops up the tasks in flight, then reads worker answers until the next batch in
+sampler order (or any batch, with ``in_order=False``) is ready, and lends it.
+
+Invariants:
+- Tasks sent and not yet yielded ``<= prefetch_factor * num_workers`` (torch's bound); slots in
+  use ``<=`` that ``+ 2`` (the batch being handed over and the one the user still holds) plus
+  whatever older batches the user keeps. A task is sent only
+  with a slot acquired for it once the batch size is known (back-pressure from the arena).
+- Batch ``i`` of an epoch goes to the ``i``-th live worker in round-robin order, as in torch, so
+  worker-side randomness gives the same batches as torch.
+- A slot is released exactly once: when the user's last view dies, when its task fails or is
+  skipped, when its answer belongs to an abandoned epoch, or when its worker dies.
+- Base seed and sampler iterator come from torch's ``_BaseDataLoaderIter``, drawn at the same
+  moments as torch, so the main process's RNG state afterwards is torch's.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from arena import Arena, ArenaExhaustedError, SlotRef
+from shmloader import protocol as P
+from shmloader._torch_compat import (
+    IterDataPipe,
+    MapDataPipe,
+    _BaseDataLoaderIter,
+    _sharding_worker_init_fn,
+)
+from shmloader.collate import slot_default_collate
+from shmloader.lease import Leases
+from shmloader.pin import Pinner
+from shmloader.reorder import TaskInfo, TaskTable
+from shmloader.stats import Monitor
+from shmloader.supervisor import Supervisor, WorkerDeath
+from shmloader.worker import WorkerConfig
+
+if TYPE_CHECKING:
+    from shmloader.loader import DataLoader
+
+WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still wake it at once)
+
+Answer = P.Ready | P.Failed
+
+
+def _shutdown(sup: Supervisor, arena: Arena, pinner: Pinner) -> None:
+    try:
+        sup.shutdown()
+    finally:
+        pinner.close()
+        arena.close()
+
+
+class ShmDataLoaderIter(_BaseDataLoaderIter):
+    """Iterates over a DataLoader with worker processes writing into a shared-memory arena."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        super().__init__(loader)
+        self._prefetch_factor: int = loader.prefetch_factor or 2
+        self._in_order: bool = loader.in_order
+        nw: int = self._num_workers
+        ctx = loader.multiprocessing_context or torch.multiprocessing.get_context()
+        init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, IterDataPipe | MapDataPipe):
+            init_fn = functools.partial(
+                _sharding_worker_init_fn, init_fn, self._world_size, self._rank
+            )
+        collate_fn = self._collate_fn
+        if collate_fn is torch.utils.data.default_collate:
+            collate_fn = slot_default_collate
+        opts = loader.arena_options
+        self._arena = Arena(
+            backend=opts.backend,
+            max_bytes=opts.max_bytes,
+            slots_per_slab=opts.slots_per_slab or (self._prefetch_factor * nw + 2),
+        )
+        self._pinner = Pinner(self._pin_memory, self._pin_memory_device)
+        self._leases = Leases(self._arena)
+        configs = [
+            WorkerConfig(
+                worker_id=i,
+                num_workers=nw,
+                dataset_kind=self._dataset_kind,
+                dataset=self._dataset,
+                auto_collation=self._auto_collation,
+                collate_fn=collate_fn,
+                drop_last=self._drop_last,
+                base_seed=int(self._base_seed),
+                init_fn=init_fn,
+                main_pid=os.getpid(),
+                shared_seed=self._shared_seed,
+            )
+            for i in range(nw)
+        ]
+        try:
+            self._sup = Supervisor(ctx, configs)
+        except BaseException:
+            self._arena.close()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self._sup, self._arena, self._pinner)
+        self.monitor = Monitor(self._arena, self._leases, self._pinner, self._sup.pids)
+        self._epoch = 0
+        self._largest = 0  # bytes of the largest batch seen: the size dispatch acquires
+        self._known_slabs: set[int] = set()
+        # (epoch, seq) -> (worker, slots) of tasks whose epoch was abandoned before they answered
+        self._orphans: dict[tuple[int, int], tuple[int, list[SlotRef]]] = {}
+        self._pending_grants: list[tuple[int, int, int]] = []  # (worker, seq, nbytes)
+        self.failure: str | None = None
+        self._reset(loader, first_iter=True)
+
+    # -- epochs ---------------------------------------------------------------------------------
+
+    def _reset(self, loader: DataLoader[Any], first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        if self.failure is not None:
+            raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
+        if not first_iter:
+            self._abandon_epoch()
+            self._epoch += 1
+            for wid in range(self._num_workers):
+                self._sup.send(wid, P.Resume(self._epoch, self._shared_seed))
+        self._tasks: TaskTable[Answer] = TaskTable()
+        self._sampler_done = False
+        self._status = [True] * self._num_workers
+        self._num_tasks = [0] * self._num_workers
+        self._next_worker = 0
+        self._fill()
+
+    def _abandon_epoch(self) -> None:
+        """Release what the old epoch holds; tasks still being written become orphans, released
+        when their answer arrives (a worker never writes a slot after answering)."""
+        waiting = {seq for _, seq, _ in self._pending_grants}
+        for info in self._tasks:
+            refs = [r for r in (info.ref, info.spare) if r is not None]
+            busy = info.answer is None and self._status[info.worker_id] and info.seq not in waiting
+            if busy:
+                self._orphans[(self._epoch, info.seq)] = (info.worker_id, refs)
+            else:
+                for r in refs:
+                    self._arena.release(r)
+        self._pending_grants.clear()
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    @property
+    def _max_tasks(self) -> int:
+        return self._prefetch_factor * self._num_workers
+
+    def _pick_worker(self) -> int | None:
+        """torch's choice: the next live worker in round-robin order (balanced if not in_order)."""
+        n = self._num_workers
+        for _ in range(n):
+            wid = self._next_worker
+            self._next_worker = (wid + 1) % n
+            if self._status[wid] and (
+                self._in_order or self._num_tasks[wid] < self._max_tasks // sum(self._status)
+            ):
+                return wid
+        return None
+
+    def _fill(self) -> None:
+        # Bound: tasks sent and not yet handed to the user (torch sends one task per yielded
+        # batch after its initial prefetch_factor * num_workers, which keeps the same bound).
+        while len(self._tasks) < self._max_tasks and not self._sampler_done:
+            if not self._put_task():
+                return
+
+    def _put_task(self) -> bool:
+        ref = None
+        if self._largest:
+            ref = self._acquire(self._largest)
+            if ref is None:
+                return False  # no free slot and the arena is at its cap: wait for a release
+        try:
+            index = self._next_index()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._sampler_done = True
+            if ref is not None:
+                self._arena.release(ref)
+            return False
+        wid = self._pick_worker()
+        if wid is None:
+            if ref is not None:
+                self._arena.release(ref)
+            return False
+        info = self._tasks.add(wid, ref)
+        self._num_tasks[wid] += 1
+        self._sup.send(wid, P.Task(info.seq, self._epoch, ref, index))
+        return True
+
+    def _acquire(self, nbytes: int) -> SlotRef | None:
+        ref = self._arena.acquire(nbytes)
+        if ref is not None and ref.slab_id not in self._known_slabs:
+            self._known_slabs.add(ref.slab_id)
+            spec = self._arena.slab(ref.slab_id).spec
+            self._pinner.register(self._arena.slab(ref.slab_id))
+            for wid in range(self._num_workers):
+                if self._sup.procs[wid].exitcode is None:
+                    self._sup.send(wid, P.Attach(spec))
+        return ref
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    def _next_data(self) -> Any:
+        if self.failure is not None:
+            raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
+        while True:
+            self._fill()
+            info = self._tasks.next_in_order(lambda w: self._status[w])
+            for skipped in self._tasks.skipped():
+                for r in (skipped.ref, skipped.spare):
+                    if r is not None:
+                        self._arena.release(r)
+            if info is None:
+                if not self._sampler_done and any(self._status) and self._stalled():
+                    continue
+                if not self._persistent_workers:
+                    self._finalizer()
+                raise StopIteration
+            if info.answer is not None:
+                return self._process(self._tasks.take_next())
+            out_of_order = self._receive()
+            if out_of_order is not None:
+                return self._process(out_of_order)
+
+    def _stalled(self) -> bool:
+        """Nothing in flight yet data remains: slots are all held. True if freeing one helped."""
+        gc.collect()  # views caught in reference cycles
+        self._fill()
+        if self._tasks.sent > self._tasks.rcvd:
+            return True
+        st = self._arena.stats()
+        raise ArenaExhaustedError(
+            f"every arena slot is in use: the user holds {self._leases.held} batches "
+            f"({st.bytes_in_use:,} bytes) and the arena is at its cap of {st.max_bytes:,} bytes "
+            f"({st.slots_total} slots). Drop references to old batches, copy what you keep with "
+            ".clone(), release them early with shmloader.release(batch), or raise "
+            "arena_max_bytes."
+        )
+
+    def _receive(self) -> TaskInfo[Answer] | None:
+        """Wait for worker frames and handle them; an out-of-order batch to yield, if any."""
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            self._retry_grants()
+            left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            frames, deaths = self._sup.wait(left)
+            result = None
+            for wid, frame in frames:
+                r = self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
+                if r is not None and result is None:
+                    result = r
+            if deaths:
+                self._fail(deaths)
+            if frames:
+                return result
+
+    def _handle(self, wid: int, msg: P.ToMain) -> TaskInfo[Answer] | None:
+        if msg.epoch != self._epoch:
+            self._handle_orphan(msg)
+            return None
+        info = self._tasks.get(msg.seq)
+        if info is None:
+            raise RuntimeError(f"answer for unknown task {msg.seq} from worker {wid}")
+        if isinstance(msg, P.NeedSlot):
+            self._largest = max(self._largest, msg.nbytes)
+            self._pending_grants.append((wid, msg.seq, msg.nbytes))
+            self._retry_grants()
+            return None
+        if isinstance(msg, P.Exhausted):
+            self._tasks.pop(msg.seq)
+            for r in (info.ref, info.spare):
+                if r is not None:
+                    self._arena.release(r)
+            self._status[wid] = False
+            if not self._persistent_workers:
+                self._sup.retire(wid)
+            return None
+        if isinstance(msg, P.Ready):
+            if msg.desc.ref != info.ref:
+                raise RuntimeError(
+                    f"worker {wid} answered task {msg.seq} in slot {msg.desc.ref}, "
+                    f"but the task was given {info.ref}"
+                )
+            self._arena.mark_ready(msg.desc.ref)
+            if info.spare is not None:
+                self._arena.release(info.spare)
+                info.spare = None
+            self._largest = max(self._largest, msg.desc.end)
+        info.answer = msg
+        if not self._in_order and msg.seq != self._tasks.rcvd:
+            return self._tasks.pop(msg.seq)
+        return None
+
+    def _handle_orphan(self, msg: P.ToMain) -> None:
+        wid, refs = self._orphans.pop((msg.epoch, msg.seq), (msg.worker_id, []))
+        if isinstance(msg, P.Exhausted):
+            # The replica ended: the worker ignores its later tasks of that epoch.
+            for key in [k for k, (w, _) in self._orphans.items() if k[0] == msg.epoch and w == wid]:
+                refs += self._orphans.pop(key)[1]
+        for r in refs:
+            self._arena.release(r)
+
+    def _retry_grants(self) -> None:
+        still = []
+        for wid, seq, nbytes in self._pending_grants:
+            info = self._tasks.get(seq)
+            if info is None:
+                continue
+            ref = self._acquire(nbytes)
+            if ref is None:
+                still.append((wid, seq, nbytes))
+                continue
+            if info.ref is not None:
+                info.spare = info.ref
+            info.ref = ref
+            self._sup.send(wid, P.Grant(seq, ref))
+        self._pending_grants = still
+
+    def _process(self, info: TaskInfo[Answer]) -> Any:
+        self._num_tasks[info.worker_id] -= 1
+        self._fill()
+        answer = info.answer
+        if isinstance(answer, P.Failed):
+            for r in (info.ref, info.spare):
+                if r is not None:
+                    self._arena.release(r)
+            answer.error.reraise()
+        batch = self._leases.open(cast(P.Ready, answer).desc)
+        return self._pinner.pin(batch)
+
+    def _fail(self, deaths: list[WorkerDeath]) -> None:
+        first = deaths[0]
+        detail = (
+            f"(shmloader worker {first.worker_id} of {self._num_workers}; the iterator has been "
+            "shut down and its slots reclaimed; iterating the DataLoader again starts fresh "
+            "workers)"
+        )
+        self.failure = first.describe() + detail
+        self._finalizer()  # every worker is stopped first: then no slot is being written
+        for info in self._tasks:
+            if info.answer is None:
+                for r in (info.ref, info.spare):
+                    if r is not None:
+                        self._arena.release(r)
+        raise RuntimeError(self.failure)
+
+    def _shutdown_workers(self) -> None:
+        self._finalizer()

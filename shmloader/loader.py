@@ -1,0 +1,121 @@
+"""``shmloader.DataLoader``: torch's DataLoader front end with a shared-memory multi-process path.
+
+The class subclasses ``torch.utils.data.DataLoader``, so construction, argument validation (with
+torch's wording and warnings), the attributes torch forbids re-assigning, ``len()``, samplers,
+``persistent_workers`` handling and the whole ``num_workers=0`` path are torch's own. Only the
+multi-process iterator is replaced (:class:`shmloader.epoch.ShmDataLoaderIter`). This module holds
+no data-path logic.
+
+Extra keyword-only arguments (validated here, once):
+- ``arena_backend``: ``"auto"`` (default: POSIX ``/dev/shm`` when it fits, else memfd),
+  ``"posix"`` or ``"memfd"``.
+- ``arena_max_bytes``: cap on the arena's shared memory (default: half the available RAM).
+- ``arena_slots_per_slab``: slots in each new slab (default ``prefetch_factor * num_workers + 2``:
+  the tasks in flight, the batch the user holds, and the one being handed over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.utils.data
+
+from arena import Backend
+from shmloader.epoch import ShmDataLoaderIter
+from shmloader.stats import LoaderStats, Monitor
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+@dataclass(frozen=True)
+class ArenaOptions:
+    backend: Backend = Backend.AUTO
+    max_bytes: int | None = None
+    slots_per_slab: int | None = None
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
+    """Drop-in ``torch.utils.data.DataLoader``; see the module docstring for the extras."""
+
+    def __init__(
+        self,
+        dataset: torch.utils.data.Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: torch.utils.data.Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: torch.utils.data.Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        arena_backend: Backend | str = Backend.AUTO,
+        arena_max_bytes: int | None = None,
+        arena_slots_per_slab: int | None = None,
+    ) -> None:
+        try:
+            backend = Backend(arena_backend)
+        except ValueError:
+            raise ValueError(
+                f"arena_backend must be one of {[b.value for b in Backend]}, got {arena_backend!r}"
+            ) from None
+        if arena_max_bytes is not None and arena_max_bytes <= 0:
+            raise ValueError(f"arena_max_bytes must be positive, got {arena_max_bytes}")
+        if arena_slots_per_slab is not None and arena_slots_per_slab < 1:
+            raise ValueError(f"arena_slots_per_slab must be >= 1, got {arena_slots_per_slab}")
+        self.arena_options = ArenaOptions(backend, arena_max_bytes, arena_slots_per_slab)
+        # The newest multi-worker iterator's monitor. It holds the arena's bookkeeping, not the
+        # iterator, so it outlives the epoch (late releases are still counted) without keeping
+        # the workers alive.
+        self._monitor: Monitor | None = None
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        it = ShmDataLoaderIter(self)
+        self._monitor = it.monitor
+        return it
+
+    def __iter__(self) -> Any:
+        # A persistent iterator whose workers died is replaced instead of reset.
+        it = self._iterator
+        if isinstance(it, ShmDataLoaderIter) and it.failure is not None:
+            self._iterator = None
+        return super().__iter__()
+
+    def stats(self) -> LoaderStats:
+        """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids,
+        for the most recent multi-worker iterator (all zero before the first one)."""
+        if self._monitor is None:
+            return LoaderStats(None, 0, 0, ())
+        return self._monitor.snapshot()

@@ -1,0 +1,148 @@
+"""Packing a collated batch into its slot: arrays as descriptor records, the rest as a payload.
+
+The batch object is pickled with a ``persistent_id`` hook: every dense CPU tensor and every
+NumPy array with a slot dtype becomes a *leaf* — its bytes are placed in the slot (in place if
+collate already put them there, else copied once) and the pickle keeps only ``(kind, index)``.
+Everything else (structure, strings, odd types) stays in the pickle, the *payload*, which is also
+written into the slot. The main process rebuilds the object with the matching
+``persistent_load`` (see :mod:`shmloader.lease`).
+
+Invariants:
+- Leaf ``i`` of the pickle is ``desc.arrays[i]``; kind ``TENSOR`` comes back as a tensor, kind
+  ``NDARRAY`` as a NumPy array, each a view of the slot.
+- A leaf already inside the slot (allocated by the session) is never copied.
+- If anything did not fit, :attr:`Packed.needed` is the slot size that holds it all and
+  :meth:`Packed.write_into` lays the batch out afresh in that bigger slot.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from arena import DTYPE_CODE, DTYPES, ArraySpec, Descriptor, SlotRef, SlotWriter
+from shmloader.collate import SlotSession
+from shmloader.dtypes import CODE_OF
+
+TENSOR: Final = 0
+NDARRAY: Final = 1
+_PROTOCOL: Final = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass
+class _Leaf:
+    obj: torch.Tensor  # the bytes to place (a NumPy leaf is held as a tensor over its memory)
+    code: int
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int | None  # None: not in the slot (overflow)
+
+
+class Packed:
+    """A batch pickled against one session; ready to describe, or to re-lay into a bigger slot."""
+
+    def __init__(self, session: SlotSession, batch: Any) -> None:
+        self.session = session
+        self.leaves: list[_Leaf] = []
+        self._seen: dict[int, int] = {}
+        buf = io.BytesIO()
+        pickler = pickle.Pickler(buf, _PROTOCOL)
+        pickler.persistent_id = self._persistent_id  # type: ignore[method-assign]
+        pickler.dump(batch)
+        self.payload = buf.getbuffer()
+        self.payload_offset = session.writer.alloc(len(self.payload))
+        if self.payload_offset is None:
+            session.overflowed = True
+        elif session.bytes is not None:
+            start = self.payload_offset
+            session.bytes[start : start + len(self.payload)].numpy()[:] = np.frombuffer(
+                self.payload, np.uint8
+            )
+
+    @property
+    def fits(self) -> bool:
+        return not self.session.overflowed
+
+    @property
+    def needed(self) -> int:
+        """Bytes of a slot that holds every leaf and the payload, laid out afresh."""
+        return SlotWriter.size_of([leaf.nbytes for leaf in self.leaves] + [len(self.payload)])
+
+    def describe(self, ref: SlotRef) -> Descriptor:
+        """The descriptor of a batch that fit its slot."""
+        if not self.fits or self.payload_offset is None:
+            raise RuntimeError("batch did not fit its slot; call write_into with a bigger one")
+        arrays = tuple(ArraySpec(leaf.offset or 0, leaf.code, leaf.shape) for leaf in self.leaves)
+        return Descriptor(ref, arrays, self.payload_offset, len(self.payload))
+
+    def write_into(self, ref: SlotRef, slot: memoryview) -> Descriptor:
+        """Copy every leaf and the payload into ``slot`` (a bigger one) and describe it there."""
+        writer = SlotWriter(len(slot))
+        dst = torch.frombuffer(slot, dtype=torch.uint8)
+        arrays = []
+        for leaf in self.leaves:
+            off = writer.alloc(leaf.nbytes)
+            if off is None:
+                raise RuntimeError(f"slot of {len(slot)} bytes cannot hold {self.needed} bytes")
+            if leaf.nbytes:
+                dst[off : off + leaf.nbytes].copy_(_as_bytes(leaf.obj))
+            arrays.append(ArraySpec(off, leaf.code, leaf.shape))
+        poff = writer.alloc(len(self.payload))
+        if poff is None:
+            raise RuntimeError(f"slot of {len(slot)} bytes cannot hold {self.needed} bytes")
+        dst[poff : poff + len(self.payload)].numpy()[:] = np.frombuffer(self.payload, np.uint8)
+        return Descriptor(ref, tuple(arrays), poff, len(self.payload))
+
+    # -- pickling hook --------------------------------------------------------------------------
+
+    def _persistent_id(self, obj: Any) -> tuple[int, int] | None:
+        t = type(obj)
+        if t is torch.Tensor:
+            kind, tensor = TENSOR, obj
+            code = CODE_OF.get(obj.dtype)
+            if (
+                code is None
+                or obj.layout is not torch.strided
+                or obj.device.type != "cpu"
+                or obj.requires_grad
+                or obj.is_conj()
+                or obj.is_neg()
+            ):
+                return None
+        elif t is np.ndarray:
+            code = DTYPE_CODE.get(obj.dtype.name)
+            if code is None or not DTYPES[code][2] or obj.dtype.byteorder == ">":
+                return None
+            kind, tensor = NDARRAY, torch.from_numpy(np.ascontiguousarray(obj))
+        else:
+            return None
+        key = id(obj)
+        if key in self._seen:
+            return (kind, self._seen[key])
+        self._seen[key] = len(self.leaves)
+        self.leaves.append(self._place(tensor, code))
+        return (kind, self._seen[key])
+
+    def _place(self, t: torch.Tensor, code: int) -> _Leaf:
+        shape = tuple(t.shape)
+        nbytes = t.numel() * t.element_size()
+        s = self.session
+        if nbytes == 0:
+            return _Leaf(t, code, shape, 0, 0)
+        if t.is_contiguous() and s.holds(t.data_ptr(), nbytes):
+            return _Leaf(t, code, shape, nbytes, t.data_ptr() - s.base)
+        off = s.writer.alloc(nbytes) if s.bytes is not None else None
+        if off is None or s.bytes is None:
+            s.overflowed = True
+            return _Leaf(t, code, shape, nbytes, None)
+        s.bytes[off : off + nbytes].view(t.dtype).view(shape).copy_(t)
+        return _Leaf(t, code, shape, nbytes, off)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

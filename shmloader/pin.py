@@ -1,0 +1,114 @@
+"""Pinning: page-lock each slab once with CUDA so every batch is born pinned.
+
+With ``pin_memory=True`` and an accelerator present, every slab the arena creates is registered
+with the CUDA driver (``cudaHostRegister``) when the main process first maps it, and unregistered
+at teardown. Views of a registered slab report ``is_pinned()`` and copy to the GPU asynchronously;
+no batch is copied to be pinned and there is no pin thread.
+
+If registration fails (locked-memory limits, a driver without support), the pinner falls back to
+torch's per-batch pinning copy and warns once, saying why.
+
+Invariants:
+- Each slab is registered at most once and unregistered exactly once (at :meth:`Pinner.close`).
+- ``pinned_bytes`` is the sum of the sizes of registered slabs.
+- The registrar is a seam (:class:`Registrar`): tests pass a fake that records calls.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from arena import Slab
+from shmloader._torch_compat import pin_memory
+
+# cudaHostRegisterDefault; a slab is registered in chunks of at most this many bytes, since some
+# drivers reject very large single registrations.
+_FLAGS = 0
+CHUNK_BYTES = 1 << 30
+
+
+class Registrar(Protocol):
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaRegistrar:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's cudart bindings."""
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(ptr, nbytes, _FLAGS)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister({nbytes:,} bytes) failed with error {int(err)}")
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+
+
+def _base_address(slab: Slab) -> int:
+    return int(np.frombuffer(slab.segment.buffer, np.uint8, count=1).ctypes.data)
+
+
+class Pinner:
+    """Registers slabs (or, after a failure, pins batches by copying, as torch does)."""
+
+    def __init__(
+        self, enabled: bool, device: str | None, registrar: Registrar | None = None
+    ) -> None:
+        self.enabled = enabled
+        self.device = device
+        self.fallback = False
+        self.pinned_bytes = 0
+        self._registrar = registrar
+        self._chunks: list[int] = []
+        self._slabs: set[int] = set()
+
+    def register(self, slab: Slab) -> None:
+        """Page-lock ``slab`` (once); on failure switch to copying and warn."""
+        if not self.enabled or self.fallback or slab.slab_id in self._slabs:
+            return
+        self._slabs.add(slab.slab_id)
+        registrar = self._registrar or CudaRegistrar()
+        self._registrar = registrar
+        base = _base_address(slab)
+        done: list[int] = []
+        try:
+            for off in range(0, slab.size, CHUNK_BYTES):
+                registrar.register(base + off, min(CHUNK_BYTES, slab.size - off))
+                done.append(base + off)
+        # Driver and binding errors come in many types; each one means "cannot pin in place".
+        except Exception as e:  # noqa: BLE001
+            for ptr in done:
+                registrar.unregister(ptr)
+            self.fallback = True
+            warnings.warn(
+                f"shmloader could not page-lock a {slab.size:,}-byte arena slab ({e}); it falls "
+                "back to copying each batch into pinned memory, as torch's DataLoader does. "
+                "Raise the locked-memory limit (ulimit -l) to pin the arena in place.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self._chunks += done
+        self.pinned_bytes += slab.size
+
+    def pin(self, batch: Any) -> Any:
+        """The batch as the user gets it: views of pinned slabs, or a pinned copy (fallback)."""
+        if not self.enabled:
+            return batch
+        if self.fallback:
+            return pin_memory(batch, self.device)
+        return batch
+
+    def close(self) -> None:
+        """Unregister every chunk. Idempotent."""
+        chunks, self._chunks = self._chunks, []
+        for ptr in chunks:
+            if self._registrar is not None:
+                self._registrar.unregister(ptr)
+        self.pinned_bytes = 0

@@ -1,0 +1,155 @@
+"""Starting, watching and stopping the worker processes: the only owner of teardown.
+
+Invariants:
+- Each worker has one duplex pipe; the main process holds one end, the worker the other.
+- :meth:`Supervisor.wait` returns as soon as a pipe is readable *or* a worker that should be alive
+  has exited (its process sentinel), so a dead worker is noticed at once, not by a periodic poll.
+- Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
+  terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
+- A worker told to retire (its IterableDataset replica is exhausted) is expected to exit; its
+  exit is not an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from shmloader import protocol as P
+from shmloader.worker import WorkerConfig, worker_main
+
+JOIN_S = 5.0  # how long teardown waits for a worker to exit after STOP before terminating it
+KILL_S = 2.0  # how long it waits after SIGTERM before SIGKILL
+
+
+@dataclass(frozen=True)
+class WorkerDeath:
+    worker_id: int
+    pid: int
+    exitcode: int
+
+    def describe(self) -> str:
+        if self.exitcode < 0:
+            try:
+                name = signal.strsignal(-self.exitcode) or f"signal {-self.exitcode}"
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"DataLoader worker (pid {self.pid}) is killed by signal: {name}. "
+        return (
+            f"DataLoader worker (pid(s) {self.pid}) exited unexpectedly "
+            f"with exit code {self.exitcode}. "
+        )
+
+
+class Supervisor:
+    """The worker processes of one iterator."""
+
+    def __init__(self, ctx: Any, configs: list[WorkerConfig]) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.retired: set[int] = set()
+        self._stopped = False
+        try:
+            for cfg in configs:
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(cfg, child),
+                    name=f"shmloader-worker-{cfg.worker_id}",
+                    daemon=True,
+                )
+                self.conns.append(parent)
+                try:
+                    proc.start()
+                except (pickle.PicklingError, TypeError, AttributeError) as e:
+                    raise _start_error(e, cfg) from e
+                finally:
+                    child.close()
+                self.procs.append(proc)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def alive(self, worker_id: int) -> bool:
+        return worker_id not in self.retired and self.procs[worker_id].exitcode is None
+
+    def send(self, worker_id: int, msg: P.ToWorker) -> None:
+        """Send ``msg``; a broken pipe means the worker died, which :meth:`wait` reports."""
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.conns[worker_id].send_bytes(P.encode(msg))
+
+    def retire(self, worker_id: int) -> None:
+        """Tell a worker to exit and stop watching it."""
+        if worker_id not in self.retired:
+            self.send(worker_id, P.Stop())
+            self.retired.add(worker_id)
+
+    def deaths(self) -> list[WorkerDeath]:
+        """Workers that should be alive but have exited."""
+        out = []
+        for wid, p in enumerate(self.procs):
+            if wid not in self.retired and p.exitcode is not None:
+                out.append(WorkerDeath(wid, p.pid, p.exitcode))
+        return out
+
+    def wait(self, timeout: float | None) -> tuple[list[tuple[int, bytes]], list[WorkerDeath]]:
+        """Frames that arrived (worker id, frame), and workers found dead, within ``timeout``."""
+        watched: dict[Any, int] = {}
+        for wid, (p, c) in enumerate(zip(self.procs, self.conns, strict=True)):
+            if wid not in self.retired:
+                watched[c] = wid
+                watched[p.sentinel] = wid
+        frames: list[tuple[int, bytes]] = []
+        suspect = False
+        for obj in wait(list(watched), timeout):
+            if not isinstance(obj, Connection):
+                suspect = True  # a sentinel: that worker exited
+                continue
+            wid = watched[obj]
+            try:
+                while obj.poll():
+                    frames.append((wid, obj.recv_bytes()))
+            except (EOFError, OSError):
+                suspect = True
+                self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it to read its code
+        return frames, (self.deaths() if suspect else [])
+
+    def shutdown(self) -> None:
+        """STOP -> join -> terminate -> kill -> close. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for wid, p in enumerate(self.procs):
+            if p.exitcode is None:
+                self.send(wid, P.Stop())
+        for p in self.procs:
+            p.join(JOIN_S)
+        for p in self.procs:
+            if p.exitcode is None:
+                p.terminate()
+                p.join(KILL_S)
+            if p.exitcode is None:
+                p.kill()
+                p.join(KILL_S)
+        for c in self.conns:
+            c.close()
+        for p in self.procs:
+            if p.exitcode is not None:
+                p.close()
+
+
+def _start_error(e: Exception, cfg: WorkerConfig) -> Exception:
+    return type(e)(
+        f"{e}. shmloader could not send the worker's arguments (dataset "
+        f"{type(cfg.dataset).__name__}, collate_fn, worker_init_fn) to a new process: under the "
+        "'spawn' and 'forkserver' start methods they must be picklable. Define them at module "
+        "top level (no lambdas or local functions), or pass multiprocessing_context='fork'."
+    )

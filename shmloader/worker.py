@@ -1,0 +1,252 @@
+"""The worker process: task -> fetch -> collate into the slot -> descriptor.
+
+Loop states (one dispatch over commands)::
+
+    start --seed, init_fn, fetcher--> IDLE --TASK--> FETCH --> PACK --fits--> READY sent --> IDLE
+                                       ^                          |
+                                       |                          +--too big--> NEED_SLOT sent
+                                       |                                  --GRANT--> copy --> READY
+                                       +--RESUME (new epoch: fresh fetcher)      IDLE --STOP--> exit
+
+Invariants:
+- Seeding is torch's: ``seed = base_seed + worker_id`` for ``random`` and torch, NumPy from
+  torch's ``_generate_state``; ``get_worker_info()`` is set before ``worker_init_fn`` runs.
+- A worker writes only into the slot its current task names (or a slot granted for that task),
+  and never touches it after sending READY or NEED_SLOT.
+- After its IterableDataset replica is exhausted the worker answers no task until RESUME.
+- The worker dies with the main process: a watchdog thread waits on a pidfd of the main process
+  and exits the moment it goes. SIGINT is ignored: Ctrl-C is the main process's to handle.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from arena import Slab, SlabSpec
+from shmloader import protocol as P
+from shmloader._torch_compat import (
+    ITERABLE_KIND,
+    ExceptionWrapper,
+    IterDataPipe,
+    WorkerInfo,
+    create_fetcher,
+    numpy_seed,
+    set_worker_info,
+    wrap_current_exception,
+)
+from shmloader.collate import SlotSession
+from shmloader.pack import Packed
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker is started with (pickled once under spawn/forkserver)."""
+
+    worker_id: int
+    num_workers: int
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    base_seed: int
+    init_fn: Any
+    main_pid: int
+    shared_seed: int | None = None
+    slabs: tuple[SlabSpec, ...] = field(default_factory=tuple)
+
+
+def _exit_when_main_exits(main_pid: int) -> None:
+    try:
+        pidfd = os.pidfd_open(main_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except OSError:  # pidfd unsupported: fall back to polling
+        while True:
+            try:
+                os.kill(main_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            threading.Event().wait(0.2)
+    select.select([pidfd], [], [])
+    os._exit(1)
+
+
+def _seed(cfg: WorkerConfig) -> int:
+    seed = cfg.base_seed + cfg.worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    import numpy as np
+
+    np.random.seed(numpy_seed(cfg.base_seed, cfg.worker_id))
+    return seed
+
+
+class _Worker:
+    def __init__(self, cfg: WorkerConfig, conn: Connection) -> None:
+        self.cfg = cfg
+        self.conn = conn
+        self.slabs: dict[int, Slab] = {}
+        self.inbox: deque[P.ToWorker] = deque()
+        self.iteration_end = False
+        self.init_error: ExceptionWrapper | None = None
+        self.dataset = cfg.dataset
+        self.fetcher: Any = None
+
+    def where(self) -> str:
+        return f"in DataLoader worker process {self.cfg.worker_id}"
+
+    def make_fetcher(self) -> None:
+        c = self.cfg
+        self.fetcher = create_fetcher(
+            c.dataset_kind, self.dataset, c.auto_collation, c.collate_fn, c.drop_last
+        )
+
+    def start(self) -> None:
+        cfg = self.cfg
+        seed = _seed(cfg)
+        if isinstance(self.dataset, IterDataPipe) and cfg.shared_seed is not None:
+            self._apply_shared_seed(cfg.shared_seed)
+        set_worker_info(
+            WorkerInfo(
+                id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=self.dataset
+            )
+        )
+        for spec in cfg.slabs:
+            self.slabs[spec.slab_id] = Slab.attach(spec)
+        try:
+            if cfg.init_fn is not None:
+                cfg.init_fn(cfg.worker_id)
+            self.make_fetcher()
+        # User code failed: forward it to the main process, as torch does.
+        except Exception:  # noqa: BLE001
+            self.init_error = wrap_current_exception(self.where())
+
+    def _apply_shared_seed(self, shared_seed: int) -> None:
+        from torch.utils.data.graph_settings import apply_random_seed
+
+        rng = torch.Generator()
+        rng.manual_seed(shared_seed)
+        self.dataset = apply_random_seed(self.dataset, rng)
+
+    def recv(self) -> P.ToWorker | None:
+        """The next command; None if the main process closed the pipe.
+
+        The wait has no timeout of its own: it ends with a command, with EOF when the main
+        process closes its end, or with the process when the watchdog sees the main process die.
+        """
+        if self.inbox:
+            return self.inbox.popleft()
+        try:
+            return P.decode(self.conn.recv_bytes())  # type: ignore[return-value]
+        except (EOFError, OSError):
+            return None
+
+    def send(self, msg: P.ToMain) -> None:
+        self.conn.send_bytes(P.encode(msg))
+
+    def run(self) -> None:
+        while True:
+            msg = self.recv()
+            if msg is None or isinstance(msg, P.Stop):
+                return
+            if isinstance(msg, P.Task):
+                if not self.iteration_end:
+                    self.run_task(msg)
+            elif isinstance(msg, P.Attach):
+                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+            elif isinstance(msg, P.Resume):
+                self.iteration_end = False
+                if isinstance(self.dataset, IterDataPipe) and msg.shared_seed is not None:
+                    self._apply_shared_seed(msg.shared_seed)
+                if self.init_error is None:
+                    self.make_fetcher()
+            # A GRANT outside a wait belongs to an abandoned task: ignore it.
+
+    def run_task(self, task: P.Task) -> None:
+        wid = self.cfg.worker_id
+        if self.init_error is not None:
+            err, self.init_error = self.init_error, None
+            self.send(P.Failed(task.seq, task.epoch, wid, err))
+            return
+        slot = None if task.ref is None else self.slabs[task.ref.slab_id].slot_buffer(task.ref.slot)
+        try:
+            with SlotSession(slot) as session:
+                data = self.fetcher.fetch(task.index)
+                packed = Packed(session, data)
+                del data
+        except StopIteration:
+            if self.cfg.dataset_kind != ITERABLE_KIND:
+                self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
+                return
+            self.iteration_end = True
+            self.send(P.Exhausted(task.seq, task.epoch, wid))
+            return
+        # User code failed: forward it to the main process, as torch does.
+        except Exception:  # noqa: BLE001
+            self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
+            return
+        if packed.fits and task.ref is not None:
+            self.send(P.Ready(task.seq, task.epoch, wid, packed.describe(task.ref)))
+            return
+        self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed))
+        grant = self.wait_grant(task.seq)
+        if grant is None:
+            return
+        big = self.slabs[grant.ref.slab_id].slot_buffer(grant.ref.slot)
+        try:
+            desc = packed.write_into(grant.ref, big)
+        # User code failed: forward it to the main process, as torch does.
+        except Exception:  # noqa: BLE001
+            self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
+            return
+        self.send(P.Ready(task.seq, task.epoch, wid, desc))
+
+    def wait_grant(self, seq: int) -> P.Grant | None:
+        """Block until the GRANT for ``seq``; None if told to stop or a new epoch began."""
+        while True:
+            try:
+                msg = P.decode(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                self.inbox.append(P.Stop())
+                return None
+            if isinstance(msg, P.Grant) and msg.seq == seq:
+                return msg
+            if isinstance(msg, P.Attach):
+                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+                continue
+            self.inbox.append(msg)  # type: ignore[arg-type]
+            if isinstance(msg, P.Stop | P.Resume):
+                return None
+
+    def close(self) -> None:
+        for slab in self.slabs.values():
+            slab.close()
+        self.slabs.clear()
+
+
+def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
+    """Entry point of a worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(
+        target=_exit_when_main_exits, args=(cfg.main_pid,), name="shmloader-watchdog", daemon=True
+    ).start()
+    torch.set_num_threads(1)
+    worker = _Worker(cfg, conn)
+    try:
+        worker.start()
+        worker.run()
+    finally:
+        set_worker_info(None)
+        worker.close()
+        conn.close()
