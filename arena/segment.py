@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import itertools
@@ -32,6 +33,7 @@ import os
 import secrets
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import posix_ipc
@@ -104,7 +106,7 @@ def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
             f"/dev/shm has {shm_free_bytes():,} bytes free, fewer than the {nbytes:,} requested; "
             "shmloader falls back to anonymous memfd shared memory, which is bounded by RAM, not "
             "by the /dev/shm mount. Pass arena_backend='memfd' to silence this warning.",
-            ResourceWarning,
+            UserWarning,
             stacklevel=3,
         )
     return Backend.MEMFD
@@ -117,7 +119,10 @@ def _open_posix(nbytes: int) -> int:
         fd = os.dup(shm.fd)
     finally:
         shm.close_fd()
-        shm.unlink()  # the name never outlives create(); attachers use /proc/<pid>/fd
+        # The name never outlives create(); attachers use /proc/<pid>/fd. If something else
+        # removed it already, that is the outcome we want.
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            shm.unlink()
     return fd
 
 
@@ -142,11 +147,13 @@ class Segment:
     _mmap: mmap.mmap | None = None
 
     def __init__(self, fd: int, size: int, backend: Backend, owner_pid: int) -> None:
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._fd = fd
+        # A segment dropped without close() still gives its descriptor back.
+        self._fd_closer = weakref.finalize(self, os.close, fd)
         self.size = size
         self.backend = backend
         self.owner_pid = owner_pid
-        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.buffer: memoryview = memoryview(self._mmap)
 
     @classmethod
@@ -210,8 +217,8 @@ class Segment:
                 pass  # views still export it: the mapping dies with the last of them
             self._mmap = None
         if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
+            self._fd = -1
+            self._fd_closer()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self._fd}"

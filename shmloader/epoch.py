@@ -272,8 +272,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._handle_orphan(msg)
             return None
         info = self._tasks.get(msg.seq)
-        if info is None:
-            raise RuntimeError(f"answer for unknown task {msg.seq} from worker {wid}")
+        if info is None or isinstance(msg, P.Dropped):
+            raise RuntimeError(
+                f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
+            )
         if isinstance(msg, P.NeedSlot):
             self._largest = max(self._largest, msg.nbytes)
             self._pending_grants.append((wid, msg.seq, msg.nbytes))
@@ -305,6 +307,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         return None
 
     def _handle_orphan(self, msg: P.ToMain) -> None:
+        """An answer to a task of an abandoned epoch: its slots go back (any kind of answer
+        means the worker is done with them)."""
         wid, refs = self._orphans.pop((msg.epoch, msg.seq), (msg.worker_id, []))
         if isinstance(msg, P.Exhausted):
             # The replica ended: the worker ignores its later tasks of that epoch.

@@ -10,12 +10,15 @@ oversized batch asked for), ``ATTACH`` (map a new slab), ``RESUME`` (a new epoch
 ``STOP`` (exit).
 Worker -> main: ``READY`` (the batch is in the slot; a descriptor follows), ``NEED_SLOT`` (the
 batch needs ``nbytes``; the worker waits for a ``GRANT``), ``FAILED`` (dataset or collate
-raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done).
+raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the task
+belongs to an epoch that a later ``RESUME`` abandoned; its slot was not touched).
 
 Invariants: frames of one worker arrive in the order sent; every ``TASK`` is answered by exactly
-one of ``READY``, ``FAILED`` or ``EXHAUSTED`` unless the worker is told to ``STOP``, dies, or its
-replica is already exhausted (then it answers nothing and the main process reclaims the slot).
-``epoch`` tags let the main process discard answers to tasks of an abandoned epoch.
+one of ``READY``, ``FAILED``, ``EXHAUSTED``, ``DROPPED``, or a ``NEED_SLOT`` the worker then
+abandons because a ``RESUME`` or ``STOP`` came instead of the ``GRANT`` — unless the worker is
+told to ``STOP``, dies, or its replica is already exhausted (then it answers nothing and the main
+process reclaims the slot). ``epoch`` tags let the main process release the slots of tasks of an
+abandoned epoch as their answers arrive.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Kind(enum.IntEnum):
     NEED_SLOT = 17
     FAILED = 18
     EXHAUSTED = 19
+    DROPPED = 20
 
 
 # kind, seq, epoch, has_slot, slab_id, slot, generation
@@ -108,8 +112,14 @@ class Exhausted(NamedTuple):
     worker_id: int
 
 
+class Dropped(NamedTuple):
+    seq: int
+    epoch: int
+    worker_id: int
+
+
 ToWorker = Task | Grant | Attach | Resume | Stop
-ToMain = Ready | NeedSlot | Failed | Exhausted
+ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped
 
 
 def encode(msg: ToWorker | ToMain) -> bytes:
@@ -134,6 +144,8 @@ def encode(msg: ToWorker | ToMain) -> bytes:
         return head + pickle.dumps(msg.error, _PICKLE)
     if isinstance(msg, Exhausted):
         return _EVENT.pack(Kind.EXHAUSTED, msg.seq, msg.epoch, msg.worker_id)
+    if isinstance(msg, Dropped):
+        return _EVENT.pack(Kind.DROPPED, msg.seq, msg.epoch, msg.worker_id)
     if isinstance(msg, Attach):
         return _KIND.pack(Kind.ATTACH) + pickle.dumps(msg.spec, _PICKLE)
     if isinstance(msg, Resume):
@@ -165,6 +177,9 @@ def decode(frame: bytes) -> ToWorker | ToMain:
     if kind == Kind.EXHAUSTED:
         _, seq, epoch, wid = _EVENT.unpack_from(frame)
         return Exhausted(seq, epoch, wid)
+    if kind == Kind.DROPPED:
+        _, seq, epoch, wid = _EVENT.unpack_from(frame)
+        return Dropped(seq, epoch, wid)
     if kind == Kind.ATTACH:
         return Attach(pickle.loads(memoryview(frame)[_KIND.size :]))
     if kind == Kind.RESUME:

@@ -22,7 +22,7 @@ from typing import Any
 from shmloader import protocol as P
 from shmloader.worker import WorkerConfig, worker_main
 
-JOIN_S = 5.0  # how long teardown waits for a worker to exit after STOP before terminating it
+JOIN_S = 1.0  # how long teardown waits for a worker to exit after STOP before terminating it
 KILL_S = 2.0  # how long it waits after SIGTERM before SIGKILL
 
 

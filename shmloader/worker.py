@@ -99,6 +99,7 @@ class _Worker:
         self.slabs: dict[int, Slab] = {}
         self.inbox: deque[P.ToWorker] = deque()
         self.iteration_end = False
+        self.latest_epoch = 0
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.fetcher: Any = None
@@ -139,39 +140,43 @@ class _Worker:
         rng.manual_seed(shared_seed)
         self.dataset = apply_random_seed(self.dataset, rng)
 
-    def recv(self) -> P.ToWorker | None:
-        """The next command; None if the main process closed the pipe.
+    def read(self) -> P.ToWorker:
+        """The next frame from the pipe (STOP on EOF). ATTACH is applied at once, and a RESUME
+        raises ``latest_epoch`` as soon as it is read, so queued tasks know they are stale.
 
-        The wait has no timeout of its own: it ends with a command, with EOF when the main
-        process closes its end, or with the process when the watchdog sees the main process die.
+        The wait has no timeout of its own: it ends with a frame, with EOF when the main process
+        closes its end, or with the process when the watchdog sees the main process die.
         """
-        if self.inbox:
-            return self.inbox.popleft()
         try:
-            return P.decode(self.conn.recv_bytes())  # type: ignore[return-value]
+            msg = P.decode(self.conn.recv_bytes())
         except (EOFError, OSError):
-            return None
+            return P.Stop()
+        if isinstance(msg, P.Attach):
+            self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+        elif isinstance(msg, P.Resume):
+            self.latest_epoch = max(self.latest_epoch, msg.epoch)
+        return msg  # type: ignore[return-value]
 
     def send(self, msg: P.ToMain) -> None:
         self.conn.send_bytes(P.encode(msg))
 
     def run(self) -> None:
         while True:
-            msg = self.recv()
-            if msg is None or isinstance(msg, P.Stop):
+            msg = self.inbox.popleft() if self.inbox else self.read()
+            if isinstance(msg, P.Stop):
                 return
             if isinstance(msg, P.Task):
-                if not self.iteration_end:
+                if msg.epoch < self.latest_epoch:
+                    self.send(P.Dropped(msg.seq, msg.epoch, self.cfg.worker_id))
+                elif not self.iteration_end:
                     self.run_task(msg)
-            elif isinstance(msg, P.Attach):
-                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
             elif isinstance(msg, P.Resume):
                 self.iteration_end = False
                 if isinstance(self.dataset, IterDataPipe) and msg.shared_seed is not None:
                     self._apply_shared_seed(msg.shared_seed)
                 if self.init_error is None:
                     self.make_fetcher()
-            # A GRANT outside a wait belongs to an abandoned task: ignore it.
+            # ATTACH was applied when read; a GRANT outside a wait is for an abandoned task.
 
     def run_task(self, task: P.Task) -> None:
         wid = self.cfg.worker_id
@@ -213,21 +218,15 @@ class _Worker:
         self.send(P.Ready(task.seq, task.epoch, wid, desc))
 
     def wait_grant(self, seq: int) -> P.Grant | None:
-        """Block until the GRANT for ``seq``; None if told to stop or a new epoch began."""
-        while True:
-            try:
-                msg = P.decode(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                self.inbox.append(P.Stop())
-                return None
+        """Block until the GRANT for ``seq``. None if a RESUME (the task's epoch was abandoned)
+        or STOP comes first; those and any tasks read meanwhile are queued for :meth:`run`."""
+        while not any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
+            msg = self.read()
             if isinstance(msg, P.Grant) and msg.seq == seq:
                 return msg
-            if isinstance(msg, P.Attach):
-                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
-                continue
-            self.inbox.append(msg)  # type: ignore[arg-type]
-            if isinstance(msg, P.Stop | P.Resume):
-                return None
+            if not isinstance(msg, P.Attach | P.Grant):
+                self.inbox.append(msg)
+        return None
 
     def close(self) -> None:
         for slab in self.slabs.values():

@@ -1,0 +1,376 @@
+"""Tests of arena.allocator: acquire/release, generations, state transitions, growth, the cap."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import closing
+
+import numpy as np
+import pytest
+
+from arena._layout import PAGE
+from arena.allocator import Arena, SlotRef, SlotState, default_max_bytes
+from arena.errors import ArenaCapacityError, StaleSlotError
+from arena.segment import mem_available_bytes
+
+THREAD_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    # The allocator's logic does not depend on the backend; test_segment and test_slab cover both.
+    with closing(Arena(backend="memfd", max_bytes=64 * PAGE, slots_per_slab=2)) as a:
+        yield a
+
+
+def acquire(arena: Arena, nbytes: int) -> SlotRef:
+    ref = arena.acquire(nbytes)
+    assert ref is not None
+    return ref
+
+
+# -- acquire, release, reuse -----------------------------------------------------------------------
+
+
+def test_acquire_returns_a_writing_slot_of_at_least_the_requested_size(arena):
+    ref = acquire(arena, PAGE + 1)
+    assert arena.state(ref) is SlotState.WRITING
+    assert arena.slot_size(ref) >= PAGE + 1
+    assert arena.slot_size(ref) % PAGE == 0
+    assert len(arena.slot_buffer(ref)) == arena.slot_size(ref)
+
+
+def test_acquired_slots_are_distinct_and_do_not_overlap(arena):
+    refs = [acquire(arena, PAGE) for _ in range(6)]
+    assert len({(r.slab_id, r.slot) for r in refs}) == 6
+    for i, ref in enumerate(refs):
+        arena.slot_buffer(ref)[:] = bytes([i]) * PAGE
+    for i, ref in enumerate(refs):
+        assert set(bytes(arena.slot_buffer(ref))) == {i}
+
+
+def test_slot_is_reused_after_release(arena):
+    first = acquire(arena, PAGE)
+    assert arena.release(first) is True
+    second = acquire(arena, PAGE)
+    assert (second.slab_id, second.slot) == (first.slab_id, first.slot)
+    assert arena.stats().growth_events == 1
+
+
+def test_generation_increases_by_one_on_every_acquire(arena):
+    gens = []
+    for _ in range(4):
+        ref = acquire(arena, PAGE)
+        gens.append(ref.generation)
+        arena.release(ref)
+    assert gens == [1, 2, 3, 4]
+
+
+def test_stale_release_is_a_noop(arena):
+    old = acquire(arena, PAGE)
+    arena.release(old)
+    new = acquire(arena, PAGE)
+    before = arena.stats()
+    assert arena.release(old) is False
+    assert arena.state(new) is SlotState.WRITING
+    assert arena.stats() == before
+
+
+def test_release_of_an_unknown_slab_is_a_noop(arena):
+    assert arena.release(SlotRef(slab_id=999, slot=0, generation=1)) is False
+
+
+def test_double_release_raises(arena):
+    ref = acquire(arena, PAGE)
+    arena.release(ref)
+    with pytest.raises(StaleSlotError, match=f"double release of slot {ref.slot}"):
+        arena.release(ref)
+
+
+def test_state_of_a_stale_ref_is_free(arena):
+    old = acquire(arena, PAGE)
+    arena.release(old)
+    acquire(arena, PAGE)
+    assert arena.state(old) is SlotState.FREE
+
+
+# -- state transitions -----------------------------------------------------------------------------
+
+
+def test_slot_moves_free_writing_ready_lent_free(arena):
+    ref = acquire(arena, PAGE)
+    assert arena.state(ref) is SlotState.WRITING
+    arena.mark_ready(ref)
+    assert arena.state(ref) is SlotState.READY
+    arena.lend(ref)
+    assert arena.state(ref) is SlotState.LENT
+    assert arena.release(ref) is True
+    assert arena.state(ref) is SlotState.FREE
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2], ids=["writing", "ready", "lent"])
+def test_release_frees_the_slot_from_every_busy_state(arena, steps):
+    ref = acquire(arena, PAGE)
+    for step in (arena.mark_ready, arena.lend)[:steps]:
+        step(ref)
+    assert arena.release(ref) is True
+    assert arena.stats().slots_by_state["free"] == arena.stats().slots_total
+
+
+@pytest.mark.parametrize(
+    ("prepare", "illegal"),
+    [
+        ((), "lend"),  # WRITING -> LENT skips READY
+        (("mark_ready",), "mark_ready"),
+        (("mark_ready", "lend"), "mark_ready"),
+        (("mark_ready", "lend"), "lend"),
+    ],
+)
+def test_illegal_transition_raises_stale_slot_error(arena, prepare, illegal):
+    ref = acquire(arena, PAGE)
+    for name in prepare:
+        getattr(arena, name)(ref)
+    state = arena.state(ref)
+    with pytest.raises(StaleSlotError, match=f"is {state.name}, expected"):
+        getattr(arena, illegal)(ref)
+    assert arena.state(ref) is state
+
+
+@pytest.mark.parametrize("transition", ["mark_ready", "lend"])
+def test_transition_of_a_free_slot_raises_stale_slot_error(arena, transition):
+    ref = acquire(arena, PAGE)
+    arena.release(ref)
+    with pytest.raises(StaleSlotError):
+        getattr(arena, transition)(ref)
+
+
+@pytest.mark.parametrize("transition", ["mark_ready", "lend"])
+def test_transition_with_a_stale_ref_raises_and_leaves_the_new_owner_alone(arena, transition):
+    old = acquire(arena, PAGE)
+    arena.release(old)
+    new = acquire(arena, PAGE)
+    with pytest.raises(StaleSlotError, match="stale reference"):
+        getattr(arena, transition)(old)
+    assert arena.state(new) is SlotState.WRITING
+
+
+# -- growth and the cap ----------------------------------------------------------------------------
+
+
+def test_first_acquire_creates_a_slab_of_the_page_aligned_size(arena):
+    ref = acquire(arena, 3 * PAGE - 1)
+    stats = arena.stats()
+    assert arena.slot_size(ref) == 3 * PAGE
+    assert stats.slot_sizes == (3 * PAGE,)
+    assert stats.bytes_reserved == 2 * 3 * PAGE  # slots_per_slab=2
+
+
+def test_busy_class_grows_by_a_slab_of_the_same_class(arena):
+    refs = [acquire(arena, 2 * PAGE) for _ in range(3)]
+    stats = arena.stats()
+    assert {arena.slot_size(r) for r in refs} == {2 * PAGE}
+    assert stats.slot_sizes == (2 * PAGE,)
+    assert stats.slabs == 2
+    assert stats.growth_events == 2
+    assert len({r.slab_id for r in refs}) == 2
+
+
+def test_new_size_class_at_least_doubles(arena):
+    acquire(arena, 2 * PAGE)
+    ref = acquire(arena, 3 * PAGE)
+    assert arena.slot_size(ref) == 4 * PAGE
+    assert arena.stats().slot_sizes == (2 * PAGE, 4 * PAGE)
+
+
+def test_new_size_class_is_the_request_when_it_exceeds_double(arena):
+    acquire(arena, PAGE)
+    ref = acquire(arena, 5 * PAGE)
+    assert arena.slot_size(ref) == 5 * PAGE
+
+
+def test_new_size_class_is_the_request_when_doubling_would_pass_the_cap():
+    with closing(Arena(backend="memfd", max_bytes=11 * PAGE, slots_per_slab=1)) as arena:
+        acquire(arena, 4 * PAGE)
+        ref = acquire(arena, 5 * PAGE)  # doubling needs 8 pages, only 7 are left
+        assert arena.slot_size(ref) == 5 * PAGE
+        assert arena.stats().bytes_reserved == 9 * PAGE
+
+
+def test_acquire_prefers_the_smallest_class_that_fits(arena):
+    small = acquire(arena, PAGE)
+    big = acquire(arena, 2 * PAGE)
+    arena.release(small)
+    arena.release(big)
+    assert arena.slot_size(acquire(arena, PAGE)) == PAGE
+    assert arena.slot_size(acquire(arena, PAGE)) == PAGE
+    assert arena.slot_size(acquire(arena, PAGE)) == 2 * PAGE  # smallest class is busy now
+
+
+def test_slab_is_cut_to_the_room_left_under_the_cap():
+    with closing(Arena(backend="memfd", max_bytes=5 * PAGE, slots_per_slab=4)) as arena:
+        acquire(arena, 2 * PAGE)
+        stats = arena.stats()
+        assert stats.slots_total == 2
+        assert stats.bytes_reserved == 4 * PAGE
+
+
+def test_arena_never_reserves_past_max_bytes():
+    with closing(Arena(backend="memfd", max_bytes=10 * PAGE, slots_per_slab=3)) as arena:
+        for nbytes in (PAGE, PAGE, PAGE, PAGE, 2 * PAGE, 3 * PAGE, PAGE, 5 * PAGE, PAGE):
+            arena.acquire(nbytes)
+            assert arena.stats().bytes_reserved <= 10 * PAGE
+
+
+def test_acquire_at_the_cap_returns_none_when_nothing_frees():
+    with closing(Arena(backend="memfd", max_bytes=2 * PAGE, slots_per_slab=2)) as arena:
+        acquire(arena, PAGE)
+        acquire(arena, PAGE)
+        assert arena.acquire(PAGE) is None
+        assert arena.acquire(PAGE, timeout=0.01) is None
+        assert arena.stats().bytes_reserved == 2 * PAGE
+
+
+def test_request_larger_than_cap_raises_capacity_error_naming_the_numbers():
+    with closing(Arena(backend="memfd", max_bytes=4 * PAGE)) as arena:
+        nbytes = 4 * PAGE + 1
+        with pytest.raises(ArenaCapacityError) as info:
+            arena.acquire(nbytes)
+        message = str(info.value)
+        assert f"{nbytes:,} bytes" in message
+        assert f"{5 * PAGE:,}-byte slot" in message
+        assert f"max_bytes={4 * PAGE:,}" in message
+        assert "arena_max_bytes" in message
+        assert arena.stats().bytes_reserved == 0
+
+
+def test_waiting_acquire_gets_the_slot_another_thread_releases():
+    with closing(Arena(backend="memfd", max_bytes=PAGE, slots_per_slab=1)) as arena:
+        held = acquire(arena, PAGE)
+        got: list[SlotRef | None] = []
+        waiter = threading.Thread(target=lambda: got.append(arena.acquire(PAGE, timeout=60)))
+        waiter.start()
+        arena.release(held)
+        waiter.join(THREAD_TIMEOUT_S)
+        assert not waiter.is_alive()
+        assert got and got[0] is not None
+        assert (got[0].slab_id, got[0].slot) == (held.slab_id, held.slot)
+        assert got[0].generation == held.generation + 1
+
+
+def test_close_wakes_a_waiting_acquire_with_an_error():
+    arena = Arena(backend="memfd", max_bytes=PAGE, slots_per_slab=1)
+    acquire(arena, PAGE)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            arena.acquire(PAGE, timeout=60)
+        except RuntimeError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    arena.close()
+    waiter.join(THREAD_TIMEOUT_S)
+    assert not waiter.is_alive()
+    assert len(errors) == 1
+    assert "closed" in str(errors[0])
+
+
+def test_releases_from_many_threads_keep_the_books(arena):
+    refs = [acquire(arena, PAGE) for _ in range(32)]
+    for ref in refs[::2]:
+        arena.mark_ready(ref)
+    barrier = threading.Barrier(4)
+
+    def release(chunk: list[SlotRef]) -> None:
+        barrier.wait(THREAD_TIMEOUT_S)
+        for ref in chunk:
+            assert arena.release(ref)
+
+    threads = [threading.Thread(target=release, args=(refs[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(THREAD_TIMEOUT_S)
+    stats = arena.stats()
+    assert stats.slots_free == stats.slots_total == 32
+    assert stats.bytes_in_use == 0
+
+
+# -- validation and teardown -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"slots_per_slab": 0}, "slots_per_slab"), ({"max_bytes": 0}, "max_bytes")],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Arena(**kwargs)
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError):
+        Arena(backend="tmpfs")
+
+
+def test_default_cap_is_half_the_available_ram():
+    assert 0 < default_max_bytes() <= mem_available_bytes()
+    with closing(Arena(backend="memfd")) as arena:
+        assert arena.max_bytes > 0
+
+
+def test_close_is_idempotent_and_refuses_new_work(arena):
+    ref = acquire(arena, PAGE)
+    arena.close()
+    arena.close()
+    assert arena.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.acquire(PAGE)
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.mark_ready(ref)
+
+
+def test_late_release_after_close_still_frees_the_slot_in_the_books(arena):
+    ref = acquire(arena, PAGE)
+    arena.mark_ready(ref)
+    arena.close()
+    assert arena.release(ref) is True
+    stats = arena.stats()
+    assert stats.bytes_in_use == 0
+    assert stats.slots_free == stats.slots_total == 2
+    assert stats.bytes_reserved == sum(stats.bytes_by_state.values())
+    with pytest.raises(StaleSlotError):
+        arena.release(ref)
+
+
+def test_slot_views_outlive_the_arena(arena):
+    ref = acquire(arena, PAGE)
+    view = np.frombuffer(arena.slot_buffer(ref), dtype=np.uint8)
+    view[:] = 5
+    arena.close()
+    assert int(view.sum()) == 5 * PAGE
+
+
+def test_half_built_arena_closes_safely():
+    arena = Arena.__new__(Arena)
+    arena.close()
+    assert arena.closed
+
+
+def test_slabs_lists_every_slab_once(arena):
+    acquire(arena, PAGE)
+    acquire(arena, 4 * PAGE)
+    slabs = arena.slabs()
+    assert sorted(s.slab_id for s in slabs) == [0, 1]
+    assert arena.slab(1).slot_size == 4 * PAGE
+
+
+def test_repr_shows_backend_reserved_and_cap(arena):
+    acquire(arena, PAGE)
+    text = repr(arena)
+    assert f"reserved={2 * PAGE:,}" in text
+    assert f"max_bytes={64 * PAGE:,}" in text
+    assert "slabs=1" in text

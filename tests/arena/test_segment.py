@@ -1,0 +1,299 @@
+"""Tests of arena.segment: create, attach, close, both backends, capacity errors, no names left."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import warnings
+from multiprocessing.connection import Connection
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from arena import segment as segment_mod
+from arena._layout import PAGE
+from arena.allocator import Arena
+from arena.errors import ArenaCapacityError
+from arena.segment import Backend, Segment, SegmentSpec, resolve_backend
+
+CHILD_TIMEOUT_S = 30.0
+BACKENDS = ["posix", "memfd"]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shm_names(pid: int) -> set[str]:
+    """The /dev/shm entries the arena in process ``pid`` named (other jobs' entries ignored)."""
+    prefix = f"{segment_mod._NAME_PREFIX.lstrip('/')}{pid}-"
+    return {name for name in os.listdir(segment_mod.SHM_DIR) if name.startswith(prefix)}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def fresh_fallback_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget that this process already warned about the memfd fallback."""
+    monkeypatch.setattr(segment_mod, "_warned_fallback", threading.Event())
+
+
+def test_create_maps_the_requested_bytes_with_the_requested_backend(backend):
+    seg = Segment.create(3 * PAGE, backend)
+    try:
+        assert seg.size == 3 * PAGE
+        assert len(seg.buffer) == 3 * PAGE
+        assert seg.backend is Backend(backend)
+        assert seg.owner_pid == os.getpid()
+        assert not seg.closed
+    finally:
+        seg.close()
+
+
+def test_create_reserves_the_bytes_before_returning(backend):
+    seg = Segment.create(64 * PAGE, backend)
+    try:
+        assert os.fstat(seg.spec.fd).st_blocks * 512 >= 64 * PAGE
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize("nbytes", [0, -PAGE])
+def test_create_rejects_a_non_positive_size(nbytes):
+    with pytest.raises(ValueError, match="positive"):
+        Segment.create(nbytes, "memfd")
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError):
+        Segment.create(PAGE, "tmpfs")
+
+
+def test_posix_name_never_appears_in_dev_shm_after_create_returns(monkeypatch):
+    names: list[str] = []
+    real = posix_ipc.SharedMemory
+
+    def recording(name: str, *args: object, **kwargs: object) -> posix_ipc.SharedMemory:
+        names.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(segment_mod.posix_ipc, "SharedMemory", recording)
+    seg = Segment.create(4 * PAGE, "posix")
+    try:
+        assert len(names) == 1
+        assert not os.path.exists(os.path.join(segment_mod.SHM_DIR, names[0].lstrip("/")))
+        assert shm_names(os.getpid()) == set()
+    finally:
+        seg.close()
+
+
+def test_close_is_idempotent(backend):
+    seg = Segment.create(PAGE, backend)
+    seg.close()
+    seg.close()
+    assert seg.closed
+
+
+def test_close_releases_the_handle_and_the_mapping(backend):
+    fds = open_fds()
+    seg = Segment.create(PAGE, backend)
+    assert open_fds() > fds
+    seg.close()
+    assert open_fds() == fds
+    with pytest.raises(ValueError):
+        seg.buffer[0]  # the exported memoryview was released
+
+
+def test_close_while_a_numpy_view_is_alive_keeps_the_view_valid(backend):
+    seg = Segment.create(2 * PAGE, backend)
+    view = np.frombuffer(seg.buffer[PAGE:], dtype=np.uint8)
+    view[:] = 7
+    seg.close()
+    assert seg.closed
+    assert int(view.sum()) == 7 * PAGE
+    view[:] = 9  # still mapped and writable
+    assert int(view.sum()) == 9 * PAGE
+
+
+def test_half_built_segment_closes_safely():
+    seg = Segment.__new__(Segment)
+    seg.close()
+    assert seg.closed
+
+
+def test_attach_in_the_owner_process_shares_the_bytes(backend):
+    owner = Segment.create(2 * PAGE, backend)
+    other = Segment.attach(owner.spec)
+    try:
+        owner.buffer[:5] = b"hello"
+        assert bytes(other.buffer[:5]) == b"hello"
+        other.buffer[PAGE : PAGE + 3] = b"abc"
+        assert bytes(owner.buffer[PAGE : PAGE + 3]) == b"abc"
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_attach_survives_the_owner_closing_its_handle(backend):
+    owner = Segment.create(PAGE, backend)
+    other = Segment.attach(owner.spec)
+    owner.buffer[:3] = b"xyz"
+    owner.close()
+    try:
+        assert bytes(other.buffer[:3]) == b"xyz"
+    finally:
+        other.close()
+
+
+def test_spec_pickles_small_and_round_trips(backend):
+    seg = Segment.create(PAGE, backend)
+    try:
+        data = pickle.dumps(seg.spec)
+        assert len(data) < 300
+        assert pickle.loads(data) == seg.spec
+    finally:
+        seg.close()
+
+
+def test_attach_to_a_missing_descriptor_names_the_fd_and_the_process():
+    spec = SegmentSpec(owner_pid=1, fd=999_999, size=PAGE, backend=Backend.MEMFD)
+    with pytest.raises(OSError, match=r"fd 999999 of process 1 through /proc"):
+        Segment.attach(spec)
+
+
+def test_repr_shows_size_backend_and_state(backend):
+    seg = Segment.create(PAGE, backend)
+    assert f"size={PAGE:,}" in repr(seg)
+    assert f"backend={backend}" in repr(seg)
+    seg.close()
+    assert "closed" in repr(seg)
+
+
+def test_auto_picks_posix_when_dev_shm_has_room():
+    assert resolve_backend("auto", PAGE) is Backend.POSIX
+
+
+def test_explicit_backends_are_taken_as_given(monkeypatch):
+    monkeypatch.setattr(segment_mod, "shm_free_bytes", lambda path="": 0)
+    assert resolve_backend("posix", PAGE) is Backend.POSIX
+    assert resolve_backend(Backend.MEMFD, PAGE) is Backend.MEMFD
+
+
+@pytest.mark.usefixtures("fresh_fallback_warning")
+def test_auto_falls_back_to_memfd_with_one_resource_warning(monkeypatch):
+    monkeypatch.setattr(segment_mod, "shm_free_bytes", lambda path="": PAGE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = Segment.create(2 * PAGE, "auto")
+        second = Segment.create(2 * PAGE, "auto")
+    try:
+        assert first.backend is Backend.MEMFD
+        assert second.backend is Backend.MEMFD
+        resource = [w for w in caught if issubclass(w.category, UserWarning)]
+        assert len(resource) == 1
+        assert f"{2 * PAGE:,} requested" in str(resource[0].message)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_posix_larger_than_dev_shm_raises_capacity_error_with_the_fix(monkeypatch):
+    monkeypatch.setattr(segment_mod, "shm_free_bytes", lambda path="": PAGE)
+    fds = open_fds()
+    with pytest.raises(ArenaCapacityError) as info:
+        Segment.create(10 * PAGE, "posix")
+    message = str(info.value)
+    assert f"{10 * PAGE:,} bytes" in message
+    assert f"/dev/shm has {PAGE:,} bytes free" in message
+    assert "--shm-size" in message
+    assert "memfd" in message
+    assert open_fds() == fds
+
+
+def test_memfd_larger_than_available_ram_raises_capacity_error(monkeypatch):
+    monkeypatch.setattr(segment_mod, "mem_available_bytes", lambda: PAGE)
+    with pytest.raises(ArenaCapacityError, match=f"{10 * PAGE:,} bytes.*'memfd'"):
+        Segment.create(10 * PAGE, "memfd")
+
+
+def test_failed_reservation_raises_capacity_error_and_closes_the_descriptor(monkeypatch, backend):
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(segment_mod.os, "posix_fallocate", no_space)
+    fds = open_fds()
+    with pytest.raises(ArenaCapacityError, match=os.strerror(errno.ENOSPC)):
+        Segment.create(PAGE, backend)
+    assert open_fds() == fds
+
+
+def test_other_reservation_errors_propagate_unchanged(monkeypatch):
+    def bad(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(segment_mod.os, "posix_fallocate", bad)
+    fds = open_fds()
+    with pytest.raises(OSError) as info:
+        Segment.create(PAGE, "memfd")
+    assert info.value.errno == errno.EIO
+    assert not isinstance(info.value, ArenaCapacityError)
+    assert open_fds() == fds
+
+
+def _own_arena_then_wait(backend: str, conn: Connection) -> None:
+    arena = Arena(backend=backend, max_bytes=64 * PAGE, slots_per_slab=2)
+    refs = [arena.acquire(PAGE), arena.acquire(4 * PAGE)]
+    conn.send(arena.stats().slabs if all(refs) else 0)
+    conn.recv()  # the parent SIGKILLs us while we wait here
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_owner_killed_with_sigkill_leaves_nothing_in_dev_shm(backend):
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_own_arena_then_wait, args=(backend, child))
+    proc.start()
+    try:
+        assert parent.poll(CHILD_TIMEOUT_S), "the owner never reported its slabs"
+        assert parent.recv() == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(CHILD_TIMEOUT_S)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(CHILD_TIMEOUT_S)
+    assert shm_names(proc.pid) == set()
+
+
+def test_dropped_segment_frees_its_descriptor(backend):
+    fds = open_fds()
+    seg = Segment.create(PAGE, backend)
+    del seg
+    gc.collect()
+    assert open_fds() == fds
+
+
+def test_create_survives_its_name_being_unlinked_by_another_process(monkeypatch):
+    real = posix_ipc.SharedMemory
+
+    def unlinked_at_once(name: str, *args: object, **kwargs: object) -> posix_ipc.SharedMemory:
+        shm = real(name, *args, **kwargs)
+        posix_ipc.unlink_shared_memory(name)  # what a /dev/shm cleaner in another process does
+        return shm
+
+    monkeypatch.setattr(segment_mod.posix_ipc, "SharedMemory", unlinked_at_once)
+    fds = open_fds()
+    seg = Segment.create(PAGE, "posix")
+    seg.buffer[:2] = b"ok"
+    seg.close()
+    assert open_fds() == fds

@@ -1,0 +1,116 @@
+"""Top-level (picklable) datasets, collates and fakes shared by the shmloader tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+import shmloader
+
+
+class Squares(Dataset):
+    """Sample i: a (3, 4) float tensor filled with i, and the label i."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, 4), float(i)), i
+
+
+class Growing(Dataset):
+    """Sample i: a uint8 vector of length 1000 * (i + 1) filled with i % 251 — every batch is
+    bigger than the one before, so the arena must keep adding larger slabs."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1000 * (i + 1),), i % 251, dtype=torch.uint8)
+
+
+def pad_collate(samples: list[torch.Tensor]) -> torch.Tensor:
+    n = max(s.numel() for s in samples)
+    out = shmloader.empty((len(samples), n), dtype=torch.uint8)
+    out.zero_()
+    for i, s in enumerate(samples):
+        out[i, : s.numel()] = s
+    return out
+
+
+class Sleepy(Dataset):
+    """Blocks forever on index 3 (waits on an event that never comes)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            import threading
+
+            threading.Event().wait(3600)
+        return i
+
+
+class KillsItself(Dataset):
+    """The worker that loads index ``victim`` dies of ``sig``."""
+
+    def __init__(self, victim: int = 5, sig: int = signal.SIGKILL) -> None:
+        self.victim = victim
+        self.sig = sig
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.victim:
+            os.kill(os.getpid(), self.sig)
+            time.sleep(10)  # the signal is fatal; this line is never reached
+        return i
+
+
+class Raises(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            raise KeyError(f"bad index {i}")
+        return i
+
+
+class Counting(IterableDataset):
+    """Each worker yields its share of range(n)."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(wid, self.n, nw))
+
+
+class FakeRegistrar:
+    """Records cudaHostRegister / cudaHostUnregister calls; can be told to fail."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if self.fail:
+            raise RuntimeError("cudaHostRegister failed with error 2 (out of memory)")
+        self.registered.append((ptr, nbytes))
+
+    def unregister(self, ptr: int) -> None:
+        self.unregistered.append(ptr)

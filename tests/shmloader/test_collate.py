@@ -1,0 +1,94 @@
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+import shmloader
+from arena import Arena
+from shmloader.collate import SlotSession, slot_default_collate
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@pytest.fixture
+def arena():
+    a = Arena(max_bytes=1 << 24, slots_per_slab=2)
+    yield a
+    a.close()
+
+
+def test_empty_outside_a_worker_is_torch_empty():
+    t = shmloader.empty((2, 3), dtype=torch.int16)
+    assert t.shape == (2, 3) and t.dtype == torch.int16
+    assert shmloader.empty(4, 5).shape == (4, 5)
+
+
+def test_empty_inside_a_session_allocates_inside_the_slot(arena):
+    ref = arena.acquire(8192)
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        t = shmloader.empty((10, 10), dtype=torch.float32)
+        assert s.holds(t.data_ptr(), t.numel() * 4)
+        assert not s.overflowed
+        t.fill_(3.0)
+        again = torch.frombuffer(arena.slot_buffer(ref), dtype=torch.float32, count=100)
+        assert torch.equal(again, torch.full((100,), 3.0))
+
+
+def test_a_tensor_that_does_not_fit_goes_to_private_memory_and_marks_overflow(arena):
+    ref = arena.acquire(4096)
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        t = shmloader.empty((4096 * 4,), dtype=torch.uint8)
+        assert not s.holds(t.data_ptr(), t.numel())
+        assert s.overflowed
+
+
+def test_a_session_without_a_slot_allocates_privately_and_overflows():
+    with SlotSession(None) as s:
+        t = shmloader.empty((8,), dtype=torch.int64)
+        assert t.shape == (8,)
+        assert s.overflowed
+
+
+SAMPLES = [
+    [{"img": torch.arange(6).view(2, 3) + i, "n": np.float32(i), "id": i, "f": 0.5 * i,
+      "ok": bool(i % 2), "name": f"s{i}", "pt": Point(np.arange(3) * i, (i, "t"))}
+     for i in range(4)],
+    [(torch.rand(2), np.ones((2, 2), dtype=np.int16) * i) for i in range(3)],
+    [torch.tensor(i, dtype=torch.bfloat16) for i in range(5)],
+]
+
+
+@pytest.mark.parametrize("samples", SAMPLES, ids=["nested", "tuples", "bfloat16"])
+def test_slot_collate_matches_default_collate_value_for_value(arena, samples):
+    ref = arena.acquire(1 << 16)
+    expected = torch.utils.data.default_collate(samples)
+    with SlotSession(arena.slot_buffer(ref)):
+        got = slot_default_collate(samples)
+    _assert_same(got, expected)
+
+
+def test_slot_collate_raises_torchs_error_for_ragged_tensors(arena):
+    ref = arena.acquire(1 << 16)
+    samples = [torch.zeros(3), torch.zeros(4)]
+    with pytest.raises(RuntimeError) as torch_err:
+        torch.utils.data.default_collate(samples)
+    with SlotSession(arena.slot_buffer(ref)), pytest.raises(RuntimeError) as ours:
+        slot_default_collate(samples)
+    assert str(ours.value) == str(torch_err.value)
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b

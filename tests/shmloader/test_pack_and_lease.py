@@ -1,0 +1,117 @@
+import collections
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from arena import Arena, SlotState
+from shmloader.collate import SlotSession, slot_default_collate
+from shmloader.lease import Leases
+from shmloader.pack import Packed
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@pytest.fixture
+def arena():
+    a = Arena(max_bytes=1 << 26, slots_per_slab=4)
+    yield a
+    a.close()
+
+
+def _roundtrip(arena, batch, nbytes=1 << 16):
+    ref = arena.acquire(nbytes)
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        packed = Packed(s, batch)
+    if packed.fits:
+        desc = packed.describe(ref)
+    else:
+        big = arena.acquire(packed.needed)
+        desc = packed.write_into(big, arena.slot_buffer(big))
+        arena.release(ref)
+        ref = big
+    arena.mark_ready(ref)
+    return Leases(arena), desc, ref
+
+
+def test_a_nested_batch_comes_back_equal_with_tensors_as_views(arena):
+    batch = {
+        "x": torch.arange(12, dtype=torch.float32).view(3, 4),
+        "names": ["a", "b", "c"],
+        "pair": Pair(np.arange(5, dtype=np.int32), torch.tensor([True, False])),
+        "bf": torch.ones(2, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "grad": torch.ones(2, requires_grad=True),
+    }
+    leases, desc, ref = _roundtrip(arena, batch)
+    out = leases.open(desc)
+    assert torch.equal(out["x"], batch["x"])
+    assert out["names"] == ["a", "b", "c"]
+    assert isinstance(out["pair"], Pair) and isinstance(out["pair"].a, np.ndarray)
+    assert np.array_equal(out["pair"].a, batch["pair"].a)
+    assert out["bf"].dtype == torch.bfloat16 and torch.equal(out["bf"], batch["bf"])
+    assert out["empty"].shape == (0, 3)
+    assert out["grad"].requires_grad  # not a slot dtype case: pickled whole, keeps autograd flag
+    assert arena.state(ref) is SlotState.LENT
+    slab_base = np.frombuffer(arena.slot_buffer(ref), np.uint8, count=1).ctypes.data
+    assert slab_base <= out["x"].data_ptr() < slab_base + arena.slot_size(ref)
+
+
+def test_the_slot_is_free_only_after_the_last_view_dies(arena):
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100), torch.ones(3)])
+    out = leases.open(desc)
+    part = out[0][10:20].view(2, 5)
+    arr = out[1].numpy()
+    del out
+    gc.collect()
+    assert arena.state(ref) is SlotState.LENT and leases.held == 1
+    del part
+    assert arena.state(ref) is SlotState.LENT
+    del arr
+    assert arena.state(ref) is SlotState.FREE and leases.held == 0
+
+
+def test_a_clone_does_not_keep_the_slot(arena):
+    leases, desc, ref = _roundtrip(arena, torch.arange(100))
+    out = leases.open(desc)
+    keep = out.clone()
+    del out
+    assert arena.state(ref) is SlotState.FREE
+    assert torch.equal(keep, torch.arange(100))
+
+
+def test_a_batch_without_arrays_frees_its_slot_at_once(arena):
+    leases, desc, ref = _roundtrip(arena, ["only", "strings"])
+    assert leases.open(desc) == ["only", "strings"]
+    assert arena.state(ref) is SlotState.FREE
+
+
+def test_an_oversized_batch_is_laid_out_again_in_a_bigger_slot(arena):
+    big = torch.arange(100_000, dtype=torch.int64)  # 800 kB into a 64 kB slot
+    leases, desc, ref = _roundtrip(arena, {"big": big, "s": "x"})
+    assert arena.slot_size(ref) >= 800_000
+    out = leases.open(desc)
+    assert torch.equal(out["big"], big) and out["s"] == "x"
+
+
+def test_collated_leaves_already_in_the_slot_are_not_copied_again(arena):
+    ref = arena.acquire(1 << 16)
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        out = slot_default_collate([torch.ones(10), torch.ones(10)])
+        used_after_collate = s.writer.used
+        packed = Packed(s, out)
+    leaf = packed.leaves[0]
+    assert leaf.offset == out.data_ptr() - s.base
+    assert packed.describe(ref).arrays[0].offset < used_after_collate
+    arena.release(ref)
+
+
+def test_release_early_returns_the_slot_while_views_live(arena):
+    leases, desc, ref = _roundtrip(arena, {"x": torch.arange(10)})
+    out = leases.open(desc)
+    assert leases.release_early(out) == 1
+    assert arena.state(ref) is SlotState.FREE
+    assert leases.release_early(out) == 0
+    del out  # the finalizer already ran: nothing is released twice
+    assert arena.stats().slots_free == arena.stats().slots_total

@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from arena import Arena
+from shmloader.pin import Pinner
+
+from .fakes import FakeRegistrar
+
+
+@pytest.fixture
+def arena():
+    a = Arena(max_bytes=1 << 26, slots_per_slab=2)
+    yield a
+    a.close()
+
+
+def _new_slab(arena, nbytes):
+    ref = arena.acquire(nbytes)
+    return arena.slab(ref.slab_id)
+
+
+def test_each_slab_is_registered_once_and_unregistered_at_close(arena):
+    reg = FakeRegistrar()
+    pinner = Pinner(True, "cuda", reg)
+    slab = _new_slab(arena, 1 << 16)
+    pinner.register(slab)
+    pinner.register(slab)
+    assert len(reg.registered) == 1
+    assert reg.registered[0][1] == slab.size
+    assert pinner.pinned_bytes == slab.size
+    other = _new_slab(arena, 1 << 20)
+    pinner.register(other)
+    assert pinner.pinned_bytes == slab.size + other.size
+    pinner.close()
+    assert sorted(reg.unregistered) == sorted(p for p, _ in reg.registered)
+    assert pinner.pinned_bytes == 0
+    pinner.close()
+    assert len(reg.unregistered) == 2
+
+
+def test_large_slabs_are_registered_in_chunks(arena, monkeypatch):
+    monkeypatch.setattr("shmloader.pin.CHUNK_BYTES", 1 << 16)
+    reg = FakeRegistrar()
+    pinner = Pinner(True, "cuda", reg)
+    slab = _new_slab(arena, 1 << 18)  # 2 slots of 256 kB -> 8 chunks
+    pinner.register(slab)
+    assert [n for _, n in reg.registered] == [1 << 16] * (slab.size >> 16)
+    pinner.close()
+
+
+def test_a_failed_registration_falls_back_to_copying_with_one_warning(arena):
+    pinner = Pinner(True, "cuda", FakeRegistrar(fail=True))
+    with pytest.warns(RuntimeWarning, match="could not page-lock.*ulimit -l"):
+        pinner.register(_new_slab(arena, 1 << 16))
+    assert pinner.fallback and pinner.pinned_bytes == 0
+    pinner.register(_new_slab(arena, 1 << 20))  # no second warning, no second attempt
+    pinner.close()
+
+
+def test_pinning_disabled_passes_batches_through_untouched():
+    pinner = Pinner(False, None, FakeRegistrar())
+    batch = [torch.ones(2)]
+    assert pinner.pin(batch) is batch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_views_of_a_registered_slab_are_pinned_on_a_real_gpu():
+    import shmloader
+
+    from .fakes import Squares
+
+    loader = shmloader.DataLoader(Squares(64), batch_size=8, num_workers=2, pin_memory=True)
+    for x, y in loader:
+        assert x.is_pinned() and y.is_pinned()
+        assert torch.equal(x.to("cuda", non_blocking=True).cpu(), x)
+    assert loader.stats().pinned_bytes > 0

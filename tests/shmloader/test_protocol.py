@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from arena import ArraySpec, Descriptor, SlabSpec, SlotRef
+from arena.segment import Backend, SegmentSpec
+from shmloader import protocol as P
+from shmloader._torch_compat import wrap_current_exception
+
+REF = SlotRef(2, 5, 7)
+DESC = Descriptor(REF, (ArraySpec(0, 8, (4, 3)), ArraySpec(64, 6, ())), 128, 33)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        P.Task(3, 1, REF, [1, 2, 3]),
+        P.Task(4, 0, None, None),
+        P.Grant(9, REF),
+        P.Attach(SlabSpec(1, 4096, 3, SegmentSpec(123, 7, 12288, Backend.MEMFD))),
+        P.Resume(2, None),
+        P.Resume(3, 12345),
+        P.Stop(),
+        P.Ready(11, 2, 1, DESC),
+        P.NeedSlot(12, 0, 1, 1 << 33),
+        P.Exhausted(13, 1, 0),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_every_message_survives_encode_and_decode(msg):
+    assert P.decode(P.encode(msg)) == msg
+
+
+def test_failed_message_carries_the_exception_type_and_worker_traceback():
+    try:
+        raise ValueError("boom in dataset")
+    except ValueError:
+        wrapped = wrap_current_exception("in DataLoader worker process 1")
+    out = P.decode(P.encode(P.Failed(1, 0, 1, wrapped)))
+    assert isinstance(out, P.Failed)
+    with pytest.raises(ValueError, match="in DataLoader worker process 1") as info:
+        out.error.reraise()
+    assert "boom in dataset" in str(info.value)
+
+
+def test_an_unknown_frame_kind_is_reported_with_its_size():
+    with pytest.raises(ValueError, match="unknown message kind 99 in a frame of 3 bytes"):
+        P.decode(bytes([99, 0, 0]))
+
+
+def test_encoding_something_that_is_not_a_message_raises():
+    with pytest.raises(TypeError):
+        P.encode(torch.zeros(1))  # type: ignore[arg-type]
