@@ -25,8 +25,8 @@ def release(batch: Any, loader: DataLoader[Any]) -> int:
     the GPU): the slot is reused at once, so reading a view afterwards shows a later batch's
     bytes. Returns the number of slots released (0 if the batch holds none).
     """
-    monitor = loader._monitor
-    return 0 if monitor is None else monitor.leases.release_early(batch)
+    host = loader._host
+    return 0 if host is None else host.leases.release_early(batch)
 
 
 __all__ = ["DataLoader", "LoaderStats", "empty", "get_worker_info", "release"]

@@ -25,11 +25,12 @@ import gc
 import os
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from arena import Arena, ArenaExhaustedError, SlotRef
+from arena import ArenaExhaustedError, SlotRef
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     IterDataPipe,
@@ -38,10 +39,8 @@ from shmloader._torch_compat import (
     _sharding_worker_init_fn,
 )
 from shmloader.collate import slot_default_collate
-from shmloader.lease import Leases
-from shmloader.pin import Pinner
+from shmloader.host import ArenaHost
 from shmloader.reorder import TaskInfo, TaskTable
-from shmloader.stats import Monitor
 from shmloader.supervisor import Supervisor, WorkerDeath
 from shmloader.worker import WorkerConfig
 
@@ -53,18 +52,12 @@ WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still w
 Answer = P.Ready | P.Failed
 
 
-def _shutdown(sup: Supervisor, arena: Arena, pinner: Pinner) -> None:
-    try:
-        sup.shutdown()
-    finally:
-        pinner.close()
-        arena.close()
-
-
 class ShmDataLoaderIter(_BaseDataLoaderIter):
     """Iterates over a DataLoader with worker processes writing into a shared-memory arena."""
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    def __init__(
+        self, loader: DataLoader[Any], host_for: Callable[[ShmDataLoaderIter], ArenaHost]
+    ) -> None:
         super().__init__(loader)
         self._prefetch_factor: int = loader.prefetch_factor or 2
         self._in_order: bool = loader.in_order
@@ -78,14 +71,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         collate_fn = self._collate_fn
         if collate_fn is torch.utils.data.default_collate:
             collate_fn = slot_default_collate
-        opts = loader.arena_options
-        self._arena = Arena(
-            backend=opts.backend,
-            max_bytes=opts.max_bytes,
-            slots_per_slab=opts.slots_per_slab or (self._prefetch_factor * nw + 2),
-        )
-        self._pinner = Pinner(self._pin_memory, self._pin_memory_device)
-        self._leases = Leases(self._arena)
+        self._host = host_for(self)
+        self._arena = self._host.arena
+        self._pinner = self._host.pinner
+        self._leases = self._host.leases
         configs = [
             WorkerConfig(
                 worker_id=i,
@@ -102,15 +91,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             )
             for i in range(nw)
         ]
-        try:
-            self._sup = Supervisor(ctx, configs)
-        except BaseException:
-            self._arena.close()
-            raise
-        self._finalizer = weakref.finalize(self, _shutdown, self._sup, self._arena, self._pinner)
-        self.monitor = Monitor(self._arena, self._leases, self._pinner, self._sup.pids)
+        self._sup = Supervisor(ctx, configs)
+        self._finalizer = weakref.finalize(self, self._sup.shutdown)
+        self._host.worker_pids = tuple(self._sup.pids)
         self._epoch = 0
-        self._largest = 0  # bytes of the largest batch seen: the size dispatch acquires
         self._known_slabs: set[int] = set()
         # (epoch, seq) -> (worker, slots) of tasks whose epoch was abandoned before they answered
         self._orphans: dict[tuple[int, int], tuple[int, list[SlotRef]]] = {}
@@ -177,8 +161,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _put_task(self) -> bool:
         ref = None
-        if self._largest:
-            ref = self._acquire(self._largest)
+        if self._host.largest:
+            ref = self._acquire(self._host.largest)
             if ref is None:
                 return False  # no free slot and the arena is at its cap: wait for a release
         try:
@@ -277,7 +261,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
             )
         if isinstance(msg, P.NeedSlot):
-            self._largest = max(self._largest, msg.nbytes)
+            self._host.largest = max(self._host.largest, msg.nbytes)
             self._pending_grants.append((wid, msg.seq, msg.nbytes))
             self._retry_grants()
             return None
@@ -300,7 +284,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             if info.spare is not None:
                 self._arena.release(info.spare)
                 info.spare = None
-            self._largest = max(self._largest, msg.desc.end)
+            self._host.largest = max(self._host.largest, msg.desc.end)
         info.answer = msg
         if not self._in_order and msg.seq != self._tasks.rcvd:
             return self._tasks.pop(msg.seq)

@@ -24,7 +24,8 @@ import torch.utils.data
 
 from arena import Backend
 from shmloader.epoch import ShmDataLoaderIter
-from shmloader.stats import LoaderStats, Monitor
+from shmloader.host import ArenaHost
+from shmloader.stats import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -74,10 +75,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if arena_slots_per_slab is not None and arena_slots_per_slab < 1:
             raise ValueError(f"arena_slots_per_slab must be >= 1, got {arena_slots_per_slab}")
         self.arena_options = ArenaOptions(backend, arena_max_bytes, arena_slots_per_slab)
-        # The newest multi-worker iterator's monitor. It holds the arena's bookkeeping, not the
-        # iterator, so it outlives the epoch (late releases are still counted) without keeping
-        # the workers alive.
-        self._monitor: Monitor | None = None
+        # The arena this loader keeps across iterators (made by the first multi-worker iter()).
+        self._host: ArenaHost | None = None
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -102,9 +101,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.num_workers == 0:
             return super()._get_iterator()
         self.check_worker_number_rationality()
-        it = ShmDataLoaderIter(self)
-        self._monitor = it.monitor
-        return it
+        return ShmDataLoaderIter(self, self._host_for)
+
+    def _host_for(self, it: ShmDataLoaderIter) -> ArenaHost:
+        if self._host is None:
+            opts = self.arena_options
+            nw = self.num_workers
+            self._host = ArenaHost(
+                backend=opts.backend,
+                max_bytes=opts.max_bytes,
+                slots_per_slab=opts.slots_per_slab or ((self.prefetch_factor or 2) * nw + 2),
+                pin=it._pin_memory,
+                pin_device=it._pin_memory_device,
+            )
+        return self._host
 
     def __iter__(self) -> Any:
         # A persistent iterator whose workers died is replaced instead of reset.
@@ -116,6 +126,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def stats(self) -> LoaderStats:
         """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids,
         for the most recent multi-worker iterator (all zero before the first one)."""
-        if self._monitor is None:
+        if self._host is None:
             return LoaderStats(None, 0, 0, ())
-        return self._monitor.snapshot()
+        return self._host.snapshot()

@@ -98,12 +98,13 @@ class Pinner:
         self.pinned_bytes += slab.size
 
     def pin(self, batch: Any) -> Any:
-        """The batch as the user gets it: views of pinned slabs, or a pinned copy (fallback)."""
+        """The batch as the user gets it, through torch's own pinning walk: custom types'
+        ``pin_memory()`` is honoured; views of a registered slab are already pinned, so torch
+        returns them as they are (no copy); anything else (and every tensor after a failed
+        registration) is copied into pinned memory, as torch does."""
         if not self.enabled:
             return batch
-        if self.fallback:
-            return pin_memory(batch, self.device)
-        return batch
+        return pin_memory(batch, self.device)
 
     def close(self) -> None:
         """Unregister every chunk. Idempotent."""

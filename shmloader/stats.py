@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from arena import Arena, ArenaStats
-from shmloader.lease import Leases
-from shmloader.pin import Pinner
+from arena import ArenaStats
 
 
 @dataclass(frozen=True)
@@ -41,20 +39,3 @@ class LoaderStats:
     @property
     def high_water_bytes(self) -> int:
         return 0 if self.arena is None else self.arena.high_water_bytes
-
-
-class Monitor:
-    """What a loader keeps of its newest iterator to answer ``stats()``: the arena's bookkeeping,
-    the lease table and the pinner, never the iterator itself (so dropping the iterator still
-    shuts its workers down)."""
-
-    def __init__(self, arena: Arena, leases: Leases, pinner: Pinner, pids: list[int]) -> None:
-        self.arena = arena
-        self.leases = leases
-        self.pinner = pinner
-        self.pids = tuple(pids)
-
-    def snapshot(self) -> LoaderStats:
-        return LoaderStats(
-            self.arena.stats(), self.leases.held, self.pinner.pinned_bytes, self.pids
-        )

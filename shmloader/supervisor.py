@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import select
 import signal
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 from shmloader import protocol as P
@@ -53,6 +54,8 @@ class Supervisor:
         self.conns: list[Connection] = []
         self.retired: set[int] = set()
         self._stopped = False
+        self._poll: select.poll | None = None
+        self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
         try:
             for cfg in configs:
                 parent, child = ctx.Pipe(duplex=True)
@@ -91,6 +94,7 @@ class Supervisor:
         if worker_id not in self.retired:
             self.send(worker_id, P.Stop())
             self.retired.add(worker_id)
+            self._poll = None
 
     def deaths(self) -> list[WorkerDeath]:
         """Workers that should be alive but have exited."""
@@ -100,26 +104,43 @@ class Supervisor:
                 out.append(WorkerDeath(wid, p.pid, p.exitcode))
         return out
 
+    def _poller(self) -> select.poll:
+        """One poll set over the pipes and sentinels of the workers being watched, rebuilt only
+        when that set changes (a worker retires)."""
+        if self._poll is None:
+            self._poll = select.poll()
+            self._fds = {}
+            for wid, (p, c) in enumerate(zip(self.procs, self.conns, strict=True)):
+                if wid not in self.retired:
+                    self._poll.register(c.fileno(), select.POLLIN)
+                    self._poll.register(p.sentinel, select.POLLIN)
+                    self._fds[c.fileno()] = (wid, True)
+                    self._fds[p.sentinel] = (wid, False)
+        return self._poll
+
     def wait(self, timeout: float | None) -> tuple[list[tuple[int, bytes]], list[WorkerDeath]]:
-        """Frames that arrived (worker id, frame), and workers found dead, within ``timeout``."""
-        watched: dict[Any, int] = {}
-        for wid, (p, c) in enumerate(zip(self.procs, self.conns, strict=True)):
-            if wid not in self.retired:
-                watched[c] = wid
-                watched[p.sentinel] = wid
+        """Frames that arrived (worker id, frame), and workers found dead, within ``timeout``.
+
+        Reads every frame already waiting, one per readable pipe per round, without blocking
+        after the first round."""
+        poller = self._poller()
         frames: list[tuple[int, bytes]] = []
         suspect = False
-        for obj in wait(list(watched), timeout):
-            if not isinstance(obj, Connection):
-                suspect = True  # a sentinel: that worker exited
-                continue
-            wid = watched[obj]
-            try:
-                while obj.poll():
-                    frames.append((wid, obj.recv_bytes()))
-            except (EOFError, OSError):
-                suspect = True
-                self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it to read its code
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        while events := poller.poll(ms):
+            ms = 0
+            for fd, _ in events:
+                wid, is_pipe = self._fds[fd]
+                if not is_pipe:
+                    suspect = True  # a sentinel: that worker exited
+                    continue
+                try:
+                    frames.append((wid, self.conns[wid].recv_bytes()))
+                except (EOFError, OSError):
+                    suspect = True
+                    self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it for its code
+            if suspect:
+                break
         return frames, (self.deaths() if suspect else [])
 
     def shutdown(self) -> None:

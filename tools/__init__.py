@@ -1,4 +1,4 @@
-"""Command-line tools built on shmloader: the side-by-side benchmark (``python -m tools.bench``).
+"""Command-line tools built on ``shmloader`` and ``arena`` (``python -m tools.bench`` and others).
 
-The tools depend on ``shmloader`` and ``arena``; neither package depends on them.
+Dependencies point one way: the tools import ``shmloader`` and ``arena``; neither imports them.
 """

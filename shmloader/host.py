@@ -1,0 +1,59 @@
+"""The arena a DataLoader keeps across its iterators: slabs, leases, pinning, batch-size hint.
+
+Created at the loader's first multi-worker ``iter()`` and kept while the loader or any of its
+iterators lives (each holds it; it closes itself when the last of them is gone). So slabs are
+reserved, pre-faulted and page-locked once per loader, not once per epoch, and an epoch's first
+tasks already know the batch size. Iterators borrow the host; their workers attach its slabs.
+
+Invariants:
+- One host per loader; every iterator of the loader allocates from the same arena (the allocator
+  is thread-safe and per-slot, so interleaved iterators never share a slot).
+- ``largest`` is the largest batch any iterator has seen, in bytes; dispatch acquires slots of
+  that size, so steady state needs no NEED_SLOT round trip.
+- ``close()`` unregisters pinned memory, then closes the arena; views still alive stay valid.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from arena import Arena, Backend
+from shmloader.lease import Leases
+from shmloader.pin import Pinner
+from shmloader.stats import LoaderStats
+
+
+class ArenaHost:
+    """A loader's arena, lease table and pinner."""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        max_bytes: int | None,
+        slots_per_slab: int,
+        pin: bool,
+        pin_device: str | None,
+    ) -> None:
+        self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
+        self.leases = Leases(self.arena)
+        self.pinner = Pinner(pin, pin_device)
+        self.largest = 0
+        self.worker_pids: tuple[int, ...] = ()
+        self._closer = weakref.finalize(self, _close, self.pinner, self.arena)
+
+    def snapshot(self) -> LoaderStats:
+        return LoaderStats(
+            self.arena.stats(), self.leases.held, self.pinner.pinned_bytes, self.worker_pids
+        )
+
+    def close(self) -> None:
+        """Unregister pinned slabs, then close the arena. Idempotent."""
+        self._closer()
+
+
+def _close(pinner: Pinner, arena: Arena) -> None:
+    try:
+        pinner.close()
+    finally:
+        arena.close()

@@ -1,0 +1,220 @@
+"""Benchmark results and how they are shown: progress line, stdout table, JSON and CSV files.
+
+A ``LoaderResult`` holds one loader's per-repeat measurements on one workload and derives its
+summary from them, so the table, the JSON and the CSV can never disagree:
+
+- ``batches_per_s``  median over repeats of ``batches / wall seconds``
+- ``gb_per_s``       ``bytes_per_batch * batches_per_s / 1e9``
+- ``cpu_us``         median over repeats of main-process CPU seconds per batch, in microseconds
+- ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
+- ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
+                     single-copy limit
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+PROGRESS_INTERVAL_S = 0.1  # at most this often the TTY progress line is redrawn
+SUMMARY_KEYS = ("batches_per_s", "gb_per_s", "x_torch", "x_torch0", "pct_limit",
+                "cpu_us_per_batch", "peak_pss_mb")
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """One timed epoch of one loader: what ``LoaderResult`` collects per repeat."""
+
+    batches: int
+    seconds: float
+    cpu_seconds: float
+    peak_pss_mb: float
+    bytes_per_batch: float
+
+
+@dataclass
+class LoaderResult:
+    """One loader column on one workload: configuration, raw per-repeat numbers, derived summary."""
+
+    loader: str
+    num_workers: int
+    batches_per_repeat: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
+    peak_pss_mb: list[float] = field(default_factory=list)
+    bytes_per_batch: float = 0.0
+
+    def add(self, run: RunSample) -> None:
+        self.batches_per_repeat.append(run.batches)
+        self.seconds.append(run.seconds)
+        self.cpu_seconds.append(run.cpu_seconds)
+        self.peak_pss_mb.append(run.peak_pss_mb)
+        self.bytes_per_batch = run.bytes_per_batch
+
+    @property
+    def batches_per_s(self) -> float:
+        rates = [n / s for n, s in zip(self.batches_per_repeat, self.seconds, strict=True) if s > 0]
+        return statistics.median(rates) if rates else 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_per_batch * self.batches_per_s / 1e9
+
+    @property
+    def cpu_us(self) -> float:
+        per_batch = [
+            c / n * 1e6 for n, c in zip(self.batches_per_repeat, self.cpu_seconds, strict=True) if n
+        ]
+        return statistics.median(per_batch) if per_batch else 0.0
+
+    @property
+    def peak_pss(self) -> float:
+        return max(self.peak_pss_mb, default=0.0)
+
+
+@dataclass
+class WorkloadResult:
+    """All loader columns of one workload, plus the single-copy limit measured in the same run."""
+
+    workload: str
+    description: str = ""
+    samples: int = 0
+    batch_size: int = 0
+    limit_batches_per_s: float = 0.0
+    limit_bytes_per_batch: int = 0
+    loaders: list[LoaderResult] = field(default_factory=list)
+    skipped: str = ""
+
+    def column(self, name: str) -> LoaderResult | None:
+        return next((r for r in self.loaders if r.loader == name and r.seconds), None)
+
+    def summary(self, result: LoaderResult) -> dict[str, float | None]:
+        def ratio(other: LoaderResult | None) -> float | None:
+            if other is None or other.batches_per_s == 0:
+                return None
+            return result.batches_per_s / other.batches_per_s
+
+        limit = self.limit_batches_per_s
+        if not result.seconds:  # interrupted before its first repeat finished
+            return dict.fromkeys(SUMMARY_KEYS)
+        return {
+            "batches_per_s": result.batches_per_s,
+            "gb_per_s": result.gb_per_s,
+            "x_torch": ratio(self.column("torch")),
+            "x_torch0": ratio(self.column("torch-0")),
+            "pct_limit": 100 * result.batches_per_s / limit if limit else None,
+            "cpu_us_per_batch": result.cpu_us,
+            "peak_pss_mb": result.peak_pss or None,
+        }
+
+
+class Progress:
+    """Progress on stderr: a redrawn ``\\r`` line on a TTY, else one line per timed repeat."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.label = ""
+        self.next_draw = 0.0
+
+    def start(self, label: str) -> None:
+        self.label = label
+        self.next_draw = 0.0
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{label} ...")
+            self.stream.flush()
+
+    def tick(self, batches: int) -> None:
+        if not self.tty:
+            return
+        now = time.perf_counter()
+        if now >= self.next_draw:
+            self.next_draw = now + PROGRESS_INTERVAL_S
+            self.stream.write(f"\r\x1b[K{self.label}: {batches} batches")
+            self.stream.flush()
+
+    def repeat_done(self, batches: int, seconds: float) -> None:
+        rate = batches / seconds if seconds > 0 else 0.0
+        line = f"{self.label}: {batches} batches in {seconds:.2f} s ({rate:,.1f} batches/s)"
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{line}")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def note(self, message: str) -> None:
+        """A line that stays: clears the progress line first on a TTY."""
+        self.clear()
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(results: list[WorkloadResult]) -> str:
+    """The human table: one block per workload, the single-copy limit first, then each loader."""
+    header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
+              "main CPU us/batch", "peak PSS MB")
+    rows: list[tuple[str, ...]] = []
+    notes: list[str] = []
+    for wr in results:
+        if wr.skipped:
+            notes.append(f"{wr.workload}: skipped: {wr.skipped}")
+            continue
+        limit_gb = wr.limit_bytes_per_batch * wr.limit_batches_per_s / 1e9
+        rows.append((wr.workload, "single-copy", f"{wr.limit_batches_per_s:,.1f}",
+                     f"{limit_gb:.2f}", "", "", "100%", "", ""))
+        for lr in wr.loaders:
+            s = wr.summary(lr)
+            rows.append((wr.workload, f"{lr.loader} ({lr.num_workers}w)",
+                         _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
+                         _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"),
+                         _fmt(s["pct_limit"], ".1f", "%"), _fmt(s["cpu_us_per_batch"], ",.0f"),
+                         _fmt(s["peak_pss_mb"], ",.0f")))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        pairs = enumerate(zip(r, widths, strict=True))
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in pairs]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + notes)
+
+
+def write_files(results: list[WorkloadResult], out_dir: Path, meta: dict[str, Any]) -> list[Path]:
+    """Write ``results.json`` (everything, raw repeats included) and ``results.csv`` (summaries)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads = []
+    csv_rows: list[dict[str, Any]] = []
+    for wr in results:
+        entry = asdict(wr)
+        for raw, lr in zip(entry["loaders"], wr.loaders, strict=True):
+            raw["summary"] = wr.summary(lr)
+            csv_rows.append({"workload": wr.workload, "loader": lr.loader,
+                             "num_workers": lr.num_workers, "batch_size": wr.batch_size,
+                             "samples": wr.samples, "repeats": len(lr.seconds),
+                             "bytes_per_batch": round(lr.bytes_per_batch),
+                             "limit_batches_per_s": wr.limit_batches_per_s, **raw["summary"]})
+        workloads.append(entry)
+    json_path = out_dir / "results.json"
+    json_path.write_text(json.dumps({"meta": meta, "workloads": workloads}, indent=2) + "\n")
+    csv_path = out_dir / "results.csv"
+    with csv_path.open("w", newline="") as f:
+        fields = list(csv_rows[0]) if csv_rows else ["workload", "loader"]
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(csv_rows)
+    return [json_path, csv_path]

@@ -1,0 +1,201 @@
+"""Built-in synthetic workloads: deterministic datasets, their collates and their batch sizes.
+
+Every dataset is generated from a seed at construction, so the same seed gives bit-identical
+samples in every process and every run. Each holds a small pool of data and serves many indices
+from it, so ``__getitem__`` is cheap and a benchmark measures the loader's data path:
+
+- ``image``   ``ImagePoolDataset``: sample ``i`` is ``(pool[i % 8], i % 1000)``, the pool being
+  8 random uint8 images of 3x512x512; no copy in ``__getitem__``.
+- ``tabular`` ``TabularDataset``: one float32 table ``rows x 64``; sample ``i`` is
+  ``(table[i], i % 1000)``, a view of one row.
+- ``ragged``  ``RaggedImageDataset``: sample ``i`` is a ``3 x H_i x W_i`` view cropped from the
+  image pool, ``H_i, W_i`` drawn once per index from ``[384, 512]``; batched by ``pad_collate``,
+  which pads to the largest ``H, W`` of the batch.
+- ``decode``  ``JpegDataset`` (needs Pillow): small JPEGs encoded once in memory at construction
+  and decoded on every ``__getitem__``.
+
+All datasets are top-level classes holding only tensors, bytes and ints, so they pickle for spawned
+workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+WORKLOADS: tuple[str, ...] = ("image", "tabular", "ragged", "decode")
+NUM_LABELS = 1000
+POOL_SIZE = 8
+IMAGE_SHAPE = (3, 512, 512)
+RAGGED_SIDE = (384, 512)  # inclusive bounds of H and W
+TABULAR_COLUMNS = 64
+JPEG_SIDE = 256
+JPEG_QUALITY = 90
+
+# samples (rows for tabular) and batch size per workload: (full run, --quick run, batch size)
+SIZES: dict[str, tuple[int, int, int]] = {
+    "image": (1024, 128, 32),
+    "tabular": (200_000, 20_000, 256),
+    "ragged": (1024, 128, 32),
+    "decode": (256, 64, 32),
+}
+
+
+class WorkloadUnavailable(RuntimeError):
+    """A workload cannot run here; the message says why (for example a missing optional package)."""
+
+
+def _image_pool(seed: int, shape: Sequence[int]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (POOL_SIZE, *shape), dtype=torch.uint8, generator=generator)
+    return [image.clone() for image in pool]
+
+
+class ImagePoolDataset(Dataset[tuple[torch.Tensor, int]]):
+    """``n`` samples of ``(uint8 image, label)`` served from ``POOL_SIZE`` distinct images."""
+
+    def __init__(self, n: int, seed: int, shape: Sequence[int] = IMAGE_SHAPE) -> None:
+        self.n = n
+        self.pool = _image_pool(seed, shape)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.pool[index % POOL_SIZE], index % NUM_LABELS
+
+
+class TabularDataset(Dataset[tuple[torch.Tensor, int]]):
+    """``rows`` samples of ``(float32 row of TABULAR_COLUMNS, label)``, all views of one table."""
+
+    def __init__(self, rows: int, seed: int, columns: int = TABULAR_COLUMNS) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.table = torch.rand((rows, columns), dtype=torch.float32, generator=generator)
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.table[index], index % NUM_LABELS
+
+
+class RaggedImageDataset(Dataset[tuple[torch.Tensor, int]]):
+    """``n`` samples of ``(3 x H x W uint8 view, label)``, ``H, W`` fixed per index by the seed."""
+
+    def __init__(self, n: int, seed: int, side: tuple[int, int] = RAGGED_SIDE) -> None:
+        self.pool = _image_pool(seed, (IMAGE_SHAPE[0], side[1], side[1]))
+        generator = torch.Generator().manual_seed(seed + 1)
+        hw = torch.randint(side[0], side[1] + 1, (n, 2), generator=generator)
+        self.sizes: list[tuple[int, int]] = [(int(h), int(w)) for h, w in hw.tolist()]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        h, w = self.sizes[index]
+        return self.pool[index % POOL_SIZE][:, :h, :w], index % NUM_LABELS
+
+
+def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``shmloader.empty`` when shmloader is loaded and has it, else ``torch.empty``.
+
+    Looked up in ``sys.modules`` rather than imported: the helper only matters inside a shmloader
+    worker, where shmloader is necessarily loaded, and a torch-only run never imports shmloader.
+    """
+    shmloader = sys.modules.get("shmloader")
+    empty: Callable[..., torch.Tensor] = getattr(shmloader, "empty", torch.empty)
+    return empty(tuple(shape), dtype=dtype)
+
+
+def pad_collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ``C x H_i x W_i`` images into ``B x C x max H x max W`` (zero-padded), int64 labels."""
+    channels = batch[0][0].shape[0]
+    height = max(image.shape[1] for image, _ in batch)
+    width = max(image.shape[2] for image, _ in batch)
+    images = _empty((len(batch), channels, height, width), torch.uint8)
+    labels = _empty((len(batch),), torch.int64)
+    for i, (image, label) in enumerate(batch):
+        h, w = image.shape[1], image.shape[2]
+        images[i, :, :h, :w].copy_(image)
+        images[i, :, h:, :].zero_()
+        images[i, :, :h, w:].zero_()
+        labels[i] = label
+    return images, labels
+
+
+def pillow_available() -> bool:
+    return importlib.util.find_spec("PIL") is not None
+
+
+class JpegDataset(Dataset[tuple[torch.Tensor, int]]):
+    """``n`` samples of ``(3 x side x side uint8 image decoded from JPEG, label)``; needs Pillow."""
+
+    def __init__(self, n: int, seed: int, side: int = JPEG_SIDE) -> None:
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        self.jpegs: list[bytes] = []
+        for _ in range(n):
+            # Blocky colour fields plus mild noise: compresses like a photo, not like pure noise.
+            coarse = rng.integers(0, 256, (side // 16, side // 16, 3), dtype=np.uint8)
+            pixels = np.repeat(np.repeat(coarse, 16, axis=0), 16, axis=1)
+            noise = rng.integers(0, 16, pixels.shape, dtype=np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels | noise, mode="RGB").save(buffer, "JPEG", quality=JPEG_QUALITY)
+            self.jpegs.append(buffer.getvalue())
+
+    def __len__(self) -> int:
+        return len(self.jpegs)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self.jpegs[index])) as image:
+            pixels = np.array(image.convert("RGB"))
+        return torch.from_numpy(pixels).permute(2, 0, 1), index % NUM_LABELS
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark workload: the dataset, how it is batched, and a one-line description."""
+
+    name: str
+    dataset: Dataset[Any]
+    batch_size: int
+    collate_fn: Callable[[list[Any]], Any] | None
+    description: str
+
+    @property
+    def samples(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+
+def make_workload(name: str, *, seed: int, quick: bool, batch_size: int | None = None) -> Workload:
+    """Build workload ``name``; raises ``WorkloadUnavailable`` when it cannot run here."""
+    if name not in SIZES:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    full, small, default_batch = SIZES[name]
+    n = small if quick else full
+    batch = batch_size or default_batch
+    if name == "image":
+        shape = "x".join(map(str, IMAGE_SHAPE))
+        return Workload(name, ImagePoolDataset(n, seed), batch, None, f"{n} x {shape} uint8")
+    if name == "tabular":
+        desc = f"{n} rows x {TABULAR_COLUMNS} float32"
+        return Workload(name, TabularDataset(n, seed), batch, None, desc)
+    if name == "ragged":
+        lo, hi = RAGGED_SIDE
+        desc = f"{n} x 3x[{lo}..{hi}]x[{lo}..{hi}] uint8, padded"
+        return Workload(name, RaggedImageDataset(n, seed), batch, pad_collate, desc)
+    if not pillow_available():
+        raise WorkloadUnavailable("Pillow not installed")
+    desc = f"{n} JPEGs 3x{JPEG_SIDE}x{JPEG_SIDE} decoded per sample"
+    return Workload(name, JpegDataset(n, seed), batch, None, desc)
