@@ -7,9 +7,12 @@ While a worker runs a task, a :class:`SlotSession` is current. Two things alloca
   slot (``torch.empty`` when no session is current, e.g. under torch's own DataLoader).
 
 Invariants:
-- Allocation never fails: when the slot is full (or there is none yet), the tensor is allocated in
-  private memory and the session is marked ``overflowed``; packing then asks for a bigger slot and
-  copies once more. Steady state takes no extra copy.
+- Allocation never fails. When the slot is full (or there is none yet), :func:`empty` allocates in
+  private memory and marks the session ``overflowed``; packing then asks for a bigger slot and
+  copies once more. The default collate never allocates privately: it *plans* instead — the
+  output becomes a ``meta`` tensor (shape and dtype, no bytes), the session is marked
+  ``planned``, and once a big enough slot is granted the worker collates the same samples again,
+  straight into it. Steady state takes no extra copy and no private batch-sized buffer.
 - Only the session's owner thread allocates (workers run tasks one at a time).
 """
 
@@ -40,18 +43,24 @@ class SlotSession:
             self.bytes = torch.frombuffer(slot, dtype=torch.uint8)
             self.base = self.bytes.data_ptr()
         self.overflowed = False
+        self.planned = False
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor inside the slot if it fits, else in private memory."""
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, plan: bool = False) -> torch.Tensor:
+        """An uninitialised tensor inside the slot if it fits; else, with ``plan``, a ``meta``
+        tensor (the session is then ``planned``), otherwise one in private memory."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self.bytes is None or dtype not in CODE_OF or nbytes == 0:
-            self.overflowed |= self.bytes is None and nbytes > 0
+        off = None
+        if self.bytes is not None and dtype in CODE_OF and nbytes > 0 and not self.planned:
+            off = self.writer.alloc(nbytes)
+        if off is not None:
+            return self.bytes[off : off + nbytes].view(dtype).view(tuple(shape))  # type: ignore[index]
+        if nbytes == 0 or dtype not in CODE_OF:
             return torch.empty(tuple(shape), dtype=dtype)
-        off = self.writer.alloc(nbytes)
-        if off is None:
-            self.overflowed = True
-            return torch.empty(tuple(shape), dtype=dtype)
-        return self.bytes[off : off + nbytes].view(dtype).view(tuple(shape))
+        self.overflowed = True
+        if plan:
+            self.planned = True
+            return torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return torch.empty(tuple(shape), dtype=dtype)
 
     def holds(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside this session's slot."""
@@ -97,7 +106,9 @@ def _collate_tensor_in_slot(
         or elem.device.type != "cpu"
     ):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
-    out = _session.empty((len(batch), *elem.shape), elem.dtype)
+    out = _session.empty((len(batch), *elem.shape), elem.dtype, plan=True)
+    if out.is_meta:
+        return out  # planning: the samples are stacked once a slot that fits is granted
     return torch.stack(list(batch), 0, out=out)
 
 

@@ -108,7 +108,7 @@ class Packed:
             if (
                 code is None
                 or obj.layout is not torch.strided
-                or obj.device.type != "cpu"
+                or obj.device.type not in ("cpu", "meta")
                 or obj.requires_grad
                 or obj.is_conj()
                 or obj.is_neg()
@@ -134,6 +134,9 @@ class Packed:
         s = self.session
         if nbytes == 0:
             return _Leaf(t, code, shape, 0, 0)
+        if t.is_meta:  # a planned leaf: only its size counts now
+            s.overflowed = True
+            return _Leaf(t, code, shape, nbytes, None)
         if t.is_contiguous() and s.holds(t.data_ptr(), nbytes):
             return _Leaf(t, code, shape, nbytes, t.data_ptr() - s.base)
         off = s.writer.alloc(nbytes) if s.bytes is not None else None

@@ -66,6 +66,19 @@ class WorkerConfig:
     slabs: tuple[SlabSpec, ...] = field(default_factory=tuple)
 
 
+class _KeepSamples:
+    """The collate_fn handed to torch's fetcher: collates, and keeps the current task's samples
+    so a planned batch can be collated again into the slot granted for it."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.samples: Any = None
+
+    def __call__(self, samples: Any) -> Any:
+        self.samples = samples
+        return self.fn(samples)
+
+
 def _exit_when_main_exits(main_pid: int) -> None:
     try:
         pidfd = os.pidfd_open(main_pid)
@@ -102,6 +115,7 @@ class _Worker:
         self.latest_epoch = 0
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
+        self.collator = _KeepSamples(cfg.collate_fn)
         self.fetcher: Any = None
 
     def where(self) -> str:
@@ -110,7 +124,7 @@ class _Worker:
     def make_fetcher(self) -> None:
         c = self.cfg
         self.fetcher = create_fetcher(
-            c.dataset_kind, self.dataset, c.auto_collation, c.collate_fn, c.drop_last
+            c.dataset_kind, self.dataset, c.auto_collation, self.collator, c.drop_last
         )
 
     def start(self) -> None:
@@ -202,19 +216,28 @@ class _Worker:
             self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
             return
         if packed.fits and task.ref is not None:
+            self.collator.samples = None
             self.send(P.Ready(task.seq, task.epoch, wid, packed.describe(task.ref)))
             return
         self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed))
         grant = self.wait_grant(task.seq)
         if grant is None:
+            self.collator.samples = None
             return
         big = self.slabs[grant.ref.slab_id].slot_buffer(grant.ref.slot)
         try:
-            desc = packed.write_into(grant.ref, big)
+            if packed.session.planned:  # collate the same samples again, into the big slot
+                with SlotSession(big) as session:
+                    packed = Packed(session, self.collator(self.collator.samples))
+                desc = packed.describe(grant.ref)
+            else:
+                desc = packed.write_into(grant.ref, big)
         # User code failed: forward it to the main process, as torch does.
         except Exception:  # noqa: BLE001
             self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
             return
+        finally:
+            self.collator.samples = None
         self.send(P.Ready(task.seq, task.epoch, wid, desc))
 
     def wait_grant(self, seq: int) -> P.Grant | None:

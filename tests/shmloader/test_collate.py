@@ -92,3 +92,18 @@ def _assert_same(a, b):
             _assert_same(x, y)
     else:
         assert a == b
+
+
+def test_the_default_collate_plans_with_meta_tensors_when_the_slot_is_too_small(arena):
+    ref = arena.acquire(4096)
+    samples = [torch.ones(1000) for _ in range(8)]  # 32 kB: does not fit one page
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        out = slot_default_collate(samples)
+    assert out.is_meta and out.shape == (8, 1000)
+    assert s.planned and s.overflowed
+
+
+def test_a_session_without_a_slot_plans_the_default_collate():
+    with SlotSession(None) as s:
+        out = slot_default_collate([{"a": torch.zeros(3)}, {"a": torch.ones(3)}])
+    assert out["a"].is_meta and s.planned

@@ -153,3 +153,13 @@ def test_both_backends_deliver_the_same_batches(backend):
     loader = shmloader.DataLoader(Squares(32), batch_size=8, num_workers=2, arena_backend=backend)
     assert [y.tolist() for _, y in loader] == [list(range(i, i + 8)) for i in range(0, 32, 8)]
     assert loader.stats().arena.backend == backend
+
+
+def test_an_epoch_of_equal_batches_needs_exactly_one_slab():
+    # The first batch of each worker (no slot size known yet) is planned, then collated into a
+    # slot of the one size class; no second class or slab is ever needed.
+    loader = shmloader.DataLoader(Squares(32), batch_size=8, num_workers=2)
+    batches = [y.tolist() for _, y in loader]
+    assert batches == [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    st = loader.stats().arena
+    assert st.growth_events == 1 and len(st.slot_sizes) == 1
