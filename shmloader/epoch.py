@@ -25,6 +25,7 @@ import gc
 import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -114,6 +115,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             for wid in range(self._num_workers):
                 self._sup.send(wid, P.Resume(self._epoch, self._shared_seed))
         self._tasks: TaskTable[Answer] = TaskTable()
+        self._arrived: deque[TaskInfo[Answer]] = deque()  # answered out of order, not yielded
         self._sampler_done = False
         self._status = [True] * self._num_workers
         self._num_tasks = [0] * self._num_workers
@@ -124,6 +126,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         """Release what the old epoch holds; tasks still being written become orphans, released
         when their answer arrives (a worker never writes a slot after answering)."""
         waiting = {seq for _, seq, _ in self._pending_grants}
+        for info in self._arrived:
+            for r in (info.ref, info.spare):
+                if r is not None:
+                    self._arena.release(r)
         for info in self._tasks:
             refs = [r for r in (info.ref, info.spare) if r is not None]
             busy = info.answer is None and self._status[info.worker_id] and info.seq not in waiting
@@ -155,7 +161,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
     def _fill(self) -> None:
         # Bound: tasks sent and not yet handed to the user (torch sends one task per yielded
         # batch after its initial prefetch_factor * num_workers, which keeps the same bound).
-        while len(self._tasks) < self._max_tasks and not self._sampler_done:
+        while len(self._tasks) + len(self._arrived) < self._max_tasks and not self._sampler_done:
             if not self._put_task():
                 return
 
@@ -205,17 +211,17 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 for r in (skipped.ref, skipped.spare):
                     if r is not None:
                         self._arena.release(r)
+            if info is not None and info.answer is not None:
+                return self._process(self._tasks.take_next())
+            if self._arrived:
+                return self._process(self._arrived.popleft())
             if info is None:
                 if not self._sampler_done and any(self._status) and self._stalled():
                     continue
                 if not self._persistent_workers:
                     self._finalizer()
                 raise StopIteration
-            if info.answer is not None:
-                return self._process(self._tasks.take_next())
-            out_of_order = self._receive()
-            if out_of_order is not None:
-                return self._process(out_of_order)
+            self._receive()
 
     def _stalled(self) -> bool:
         """Nothing in flight yet data remains: slots are all held. True if freeing one helped."""
@@ -232,8 +238,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             "arena_max_bytes."
         )
 
-    def _receive(self) -> TaskInfo[Answer] | None:
-        """Wait for worker frames and handle them; an out-of-order batch to yield, if any."""
+    def _receive(self) -> None:
+        """Wait for worker frames and handle every one of them."""
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
             self._retry_grants()
@@ -241,20 +247,17 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
             frames, deaths = self._sup.wait(left)
-            result = None
             for wid, frame in frames:
-                r = self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
-                if r is not None and result is None:
-                    result = r
+                self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
             if deaths:
                 self._fail(deaths)
             if frames:
-                return result
+                return
 
-    def _handle(self, wid: int, msg: P.ToMain) -> TaskInfo[Answer] | None:
+    def _handle(self, wid: int, msg: P.ToMain) -> None:
         if msg.epoch != self._epoch:
             self._handle_orphan(msg)
-            return None
+            return
         info = self._tasks.get(msg.seq)
         if info is None or isinstance(msg, P.Dropped):
             raise RuntimeError(
@@ -264,7 +267,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._host.largest = max(self._host.largest, msg.nbytes)
             self._pending_grants.append((wid, msg.seq, msg.nbytes))
             self._retry_grants()
-            return None
+            return
         if isinstance(msg, P.Exhausted):
             self._tasks.pop(msg.seq)
             for r in (info.ref, info.spare):
@@ -273,7 +276,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._status[wid] = False
             if not self._persistent_workers:
                 self._sup.retire(wid)
-            return None
+            return
         if isinstance(msg, P.Ready):
             if msg.desc.ref != info.ref:
                 raise RuntimeError(
@@ -287,8 +290,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._host.largest = max(self._host.largest, msg.desc.end)
         info.answer = msg
         if not self._in_order and msg.seq != self._tasks.rcvd:
-            return self._tasks.pop(msg.seq)
-        return None
+            self._arrived.append(self._tasks.pop(msg.seq))  # yielded as it came (in_order=False)
 
     def _handle_orphan(self, msg: P.ToMain) -> None:
         """An answer to a task of an abandoned epoch: its slots go back (any kind of answer
@@ -338,11 +340,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         )
         self.failure = first.describe() + detail
         self._finalizer()  # every worker is stopped first: then no slot is being written
-        for info in self._tasks:
-            if info.answer is None:
-                for r in (info.ref, info.spare):
-                    if r is not None:
-                        self._arena.release(r)
+        for info in [*self._tasks, *self._arrived]:  # nothing of this iterator is yielded now
+            for r in (info.ref, info.spare):
+                if r is not None:
+                    self._arena.release(r)
         raise RuntimeError(self.failure)
 
     def _shutdown_workers(self) -> None:

@@ -11,7 +11,8 @@ oversized batch asked for), ``ATTACH`` (map a new slab), ``RESUME`` (a new epoch
 Worker -> main: ``READY`` (the batch is in the slot; a descriptor follows), ``NEED_SLOT`` (the
 batch needs ``nbytes``; the worker waits for a ``GRANT``), ``FAILED`` (dataset or collate
 raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the task
-belongs to an epoch that a later ``RESUME`` abandoned; its slot was not touched).
+belongs to an epoch that a later ``RESUME`` abandoned: fetched, as torch does, but its slot was
+not touched).
 
 Invariants: frames of one worker arrive in the order sent; every ``TASK`` is answered by exactly
 one of ``READY``, ``FAILED``, ``EXHAUSTED``, ``DROPPED``, or a ``NEED_SLOT`` the worker then

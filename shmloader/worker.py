@@ -180,9 +180,11 @@ class _Worker:
             if isinstance(msg, P.Stop):
                 return
             if isinstance(msg, P.Task):
+                if self.iteration_end:
+                    continue  # torch's workers skip tasks once their replica is exhausted
                 if msg.epoch < self.latest_epoch:
-                    self.send(P.Dropped(msg.seq, msg.epoch, self.cfg.worker_id))
-                elif not self.iteration_end:
+                    self.run_stale_task(msg)
+                else:
                     self.run_task(msg)
             elif isinstance(msg, P.Resume):
                 self.iteration_end = False
@@ -191,6 +193,23 @@ class _Worker:
                 if self.init_error is None:
                     self.make_fetcher()
             # ATTACH was applied when read; a GRANT outside a wait is for an abandoned task.
+
+    def run_stale_task(self, task: P.Task) -> None:
+        """A task of an abandoned epoch: fetched and collated all the same, because torch's
+        workers fetch every task sent to them (the dataset's and collate's random draws must stay
+        in step with torch's), then dropped without touching its slot."""
+        try:
+            with SlotSession(None):
+                self.fetcher.fetch(task.index)
+        except StopIteration:
+            if self.cfg.dataset_kind == ITERABLE_KIND:
+                self.iteration_end = True
+        # User code failed on a batch nobody will see: torch drops it too.
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            self.collator.samples = None
+        self.send(P.Dropped(task.seq, task.epoch, self.cfg.worker_id))
 
     def run_task(self, task: P.Task) -> None:
         wid = self.cfg.worker_id

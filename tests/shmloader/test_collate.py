@@ -51,9 +51,18 @@ def test_a_session_without_a_slot_allocates_privately_and_overflows():
 
 
 SAMPLES = [
-    [{"img": torch.arange(6).view(2, 3) + i, "n": np.float32(i), "id": i, "f": 0.5 * i,
-      "ok": bool(i % 2), "name": f"s{i}", "pt": Point(np.arange(3) * i, (i, "t"))}
-     for i in range(4)],
+    [
+        {
+            "img": torch.arange(6).view(2, 3) + i,
+            "n": np.float32(i),
+            "id": i,
+            "f": 0.5 * i,
+            "ok": bool(i % 2),
+            "name": f"s{i}",
+            "pt": Point(np.arange(3) * i, (i, "t")),
+        }
+        for i in range(4)
+    ],
     [(torch.rand(2), np.ones((2, 2), dtype=np.int16) * i) for i in range(3)],
     [torch.tensor(i, dtype=torch.bfloat16) for i in range(5)],
 ]

@@ -1,6 +1,7 @@
 """End-to-end behaviour of shmloader.DataLoader that torch has no counterpart for."""
 
 import gc
+import itertools
 import os
 import signal
 
@@ -69,7 +70,7 @@ def test_batches_that_keep_growing_get_ever_larger_slots():
         assert torch.all(batch[1] == (2 * i + 1) % 251)
     sizes = loader.stats().arena.slot_sizes
     assert len(sizes) >= 2
-    assert all(b >= 2 * a for a, b in zip(sizes, sizes[1:]))
+    assert all(b >= 2 * a for a, b in itertools.pairwise(sizes))
 
 
 def test_a_dataset_error_names_the_worker_and_iteration_continues():
@@ -85,7 +86,8 @@ def test_a_dataset_error_names_the_worker_and_iteration_continues():
 
 def test_a_killed_worker_raises_torchs_message_with_pid_and_signal():
     loader = shmloader.DataLoader(KillsItself(victim=9), batch_size=4, num_workers=2)
-    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Killed") as e:
+    killed = r"DataLoader worker \(pid \d+\) is killed by signal: Killed"
+    with pytest.raises(RuntimeError, match=killed) as e:
         for _ in loader:
             pass
     assert "shmloader worker 0 of 2" in str(e.value)
@@ -117,7 +119,7 @@ def test_a_partially_consumed_iterator_that_is_dropped_stops_its_workers():
     assert all(psutil.pid_exists(p) for p in pids)
     del it
     gc.collect()
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 5)
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 5)
     assert not alive
 
 
@@ -144,7 +146,8 @@ def test_workers_ignore_sigint_so_the_main_process_handles_ctrl_c():
 
 
 def test_an_unknown_backend_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match=r"arena_backend must be one of \['auto', 'posix', 'memfd'\]"):
+    choices = r"arena_backend must be one of \['auto', 'posix', 'memfd'\]"
+    with pytest.raises(ValueError, match=choices):
         shmloader.DataLoader(Squares(4), arena_backend="tmpfs")
 
 
