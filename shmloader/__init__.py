@@ -6,7 +6,8 @@ Change one import::
 
 Public names: :class:`DataLoader`, :func:`get_worker_info` (torch's own), :func:`empty` (allocate
 a custom collate's outputs inside the batch's slot), :func:`release` (return a batch's slot
-before its views die), :class:`LoaderStats`.
+before its views die), :class:`LoaderStats`, :class:`DevicePrefetcher` (copy batches to the GPU
+on a side stream, one step ahead, releasing each slot only after its copy completed).
 """
 
 from typing import Any
@@ -15,6 +16,7 @@ from torch.utils.data import get_worker_info
 
 from shmloader.collate import empty
 from shmloader.loader import DataLoader
+from shmloader.prefetch import DevicePrefetcher
 from shmloader.stats import LoaderStats
 
 
@@ -29,4 +31,4 @@ def release(batch: Any, loader: DataLoader[Any]) -> int:
     return 0 if host is None else host.leases.release_early(batch)
 
 
-__all__ = ["DataLoader", "LoaderStats", "empty", "get_worker_info", "release"]
+__all__ = ["DataLoader", "DevicePrefetcher", "LoaderStats", "empty", "get_worker_info", "release"]
