@@ -1,0 +1,246 @@
+"""The loading job memprof profiles: build a workload's loader, iterate it, report its stats.
+
+Run as ``python -m tools._memjob`` in a child process of memprof, so the profiler's own memory and
+CPU stay out of the measured tree. It iterates one epoch (or ``--batches`` batches, starting new
+epochs as needed), reading every page of every batch (as a training step copying it to a device
+would), and writes JSON lines to the file descriptor ``--report-fd``:
+
+- ``{"kind": "workers", "t", "pids": [...]}``   once per epoch, the worker pids in worker order
+- ``{"kind": "arena", "t", <ArenaStats fields, flattened>, "batches_held", "pinned_bytes"}``
+                                                 every ``--interval`` seconds (shmloader only)
+- ``{"kind": "done", "t", "batches", "seconds", "description"}``   once, at the end
+
+``t`` is ``time.monotonic()``, a system-wide clock, so memprof can line the rows up with its own.
+Each line is written with one ``os.write`` of under ``PIPE_BUF`` bytes, so lines never interleave.
+
+Workloads: ``image`` and ``tabular`` come from ``tools._synthetic``; ``cow`` and ``cow-numpy`` are
+defined here: the same records (alternating Python ints and strings) held as one Python list, whose
+every read writes a refcount and so copies pages into each forked worker (pytorch#13246), or held
+as NumPy arrays, which reads never write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+from torch.utils.data import Dataset
+
+from tools._synthetic import make_workload
+
+PAGE = 4096
+# cow workloads: (records, samples, batch size) for a full run and a --quick run
+COW_SIZES = {False: (4_000_000, 2048, 64), True: (200_000, 256, 32)}
+INT_BASE = 1_000_003  # record ints start above CPython's cached small ints
+
+
+class CowListDataset(Dataset[tuple[torch.Tensor, int]]):
+    """Records as one Python list; sample ``i`` reads records ``i, i + n, i + 2n, ...``.
+
+    Reading a list item increments the item's refcount, a write to the page the object lives on,
+    so a forked worker copies every page of records it reads: its USS grows toward the list's size.
+    """
+
+    def __init__(self, records: int, samples: int) -> None:
+        self.samples = samples
+        self.records: list[int | str] = [
+            INT_BASE + i if i % 2 == 0 else f"record-{i:09d}" for i in range(records)
+        ]
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        acc = 0
+        for j in range(index, len(self.records), self.samples):
+            item = self.records[j]
+            acc += item if isinstance(item, int) else len(item)
+        return torch.tensor([acc], dtype=torch.int64), index
+
+
+class CowNumpyDataset(Dataset[tuple[torch.Tensor, int]]):
+    """The same records as ``CowListDataset``, held as NumPy arrays: ints in one int64 array, the
+    strings' lengths in another (strings as one bytes blob would read the same way). Reads write
+    nothing, so forked workers keep sharing every page."""
+
+    def __init__(self, records: int, samples: int) -> None:
+        self.samples = samples
+        index = np.arange(records, dtype=np.int64)
+        self.ints = np.where(index % 2 == 0, INT_BASE + index, 0)
+        self.lengths = np.where(index % 2 == 1, len("record-") + 9, 0)
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        every = slice(index, None, self.samples)
+        acc = int(self.ints[every].sum() + self.lengths[every].sum())
+        return torch.tensor([acc], dtype=torch.int64), index
+
+
+@dataclass(frozen=True)
+class JobWorkload:
+    """What the job iterates: a dataset and how to batch it."""
+
+    dataset: Dataset[Any]
+    batch_size: int
+    collate_fn: Callable[[list[Any]], Any] | None
+    context: str | None  # multiprocessing start method; None = the loader's default
+    description: str
+
+
+def build(name: str, *, quick: bool, seed: int) -> JobWorkload:
+    """The named workload at full or ``--quick`` size."""
+    if name in ("cow", "cow-numpy"):
+        records, samples, batch = COW_SIZES[quick]
+        cls = CowListDataset if name == "cow" else CowNumpyDataset
+        storage = "one Python list" if name == "cow" else "NumPy arrays"
+        desc = f"{records:,} int/str records in {storage}, {samples} samples, fork"
+        return JobWorkload(cls(records, samples), batch, None, "fork", desc)
+    w = make_workload(name, seed=seed, quick=quick)
+    return JobWorkload(w.dataset, w.batch_size, w.collate_fn, None, w.description)
+
+
+def make_loader(kind: str, work: JobWorkload, workers: int, seed: int) -> Any:
+    """A torch or shmloader DataLoader over ``work`` with a seeded shuffle."""
+    factory: Callable[..., Any] = torch.utils.data.DataLoader
+    if kind == "shmloader":
+        import shmloader
+
+        factory = shmloader.DataLoader
+    return factory(
+        work.dataset,
+        batch_size=work.batch_size,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=work.collate_fn,
+        multiprocessing_context=work.context if workers else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple | dict):
+        for item in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(item)
+
+
+def consume(batch: Any) -> int:
+    """Read one element per page of every tensor (so every page is mapped, as a copy to a device
+    would map it); returns the batch's bytes."""
+    nbytes = 0
+    for t in _tensors(batch):
+        nbytes += t.nbytes
+        if t.numel():
+            step = max(1, PAGE // t.element_size())
+            t.reshape(-1)[::step].sum()
+    return nbytes
+
+
+class Reporter:
+    """Writes the JSON lines of the module docstring to one file descriptor."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = threading.Lock()
+
+    def send(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"kind": kind, "t": time.monotonic(), **fields}) + "\n"
+        with self._lock:
+            os.write(self.fd, line.encode())
+
+
+def arena_fields(loader: Any) -> dict[str, Any] | None:
+    """``loader.stats()`` flattened to one row, or None before the loader has an arena."""
+    stats = loader.stats()
+    if stats.arena is None:
+        return None
+    arena = asdict(stats.arena)
+    row: dict[str, Any] = {k: v for k, v in arena.items() if not isinstance(v, dict | tuple)}
+    row["bytes_in_use"] = stats.arena.bytes_in_use
+    row["slot_sizes"] = " ".join(str(s) for s in stats.arena.slot_sizes)
+    for state, n in stats.arena.slots_by_state.items():
+        row[f"slots_{state}"] = n
+    for state, n in stats.arena.bytes_by_state.items():
+        row[f"bytes_{state}"] = n
+    row["batches_held"] = stats.batches_held
+    row["pinned_bytes"] = stats.pinned_bytes
+    return row
+
+
+def _stats_loop(loader: Any, report: Reporter, interval: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        row = arena_fields(loader)
+        if row is not None:
+            report.send("arena", **row)
+
+
+def worker_pids(loader: Any, it: Any) -> list[int]:
+    """The worker pids of ``it``: shmloader's ``stats()``, or torch's private ``_workers``."""
+    if hasattr(loader, "stats"):
+        return list(loader.stats().worker_pids)
+    return [p.pid for p in getattr(it, "_workers", [])]
+
+
+def run(args: argparse.Namespace) -> None:
+    work = build(args.workload, quick=args.quick, seed=args.seed)
+    report = Reporter(args.report_fd)
+    loader = make_loader(args.loader, work, args.workers, args.seed)
+    target = args.batches or len(loader)
+    stop = threading.Event()
+    sampler = None
+    if args.loader == "shmloader":
+        sampler = threading.Thread(target=_stats_loop, args=(loader, report, args.interval, stop),
+                                   name="memjob-stats", daemon=True)
+        sampler.start()
+    batches = 0
+    t0 = time.perf_counter()
+    try:
+        while batches < target:
+            it = iter(loader)
+            report.send("workers", pids=worker_pids(loader, it))
+            for batch in it:
+                consume(batch)
+                del batch
+                batches += 1
+                if batches == target:
+                    break
+            del it
+    finally:
+        seconds = time.perf_counter() - t0
+        stop.set()
+        if sampler is not None:
+            sampler.join(timeout=5.0)
+            row = arena_fields(loader)
+            if row is not None:
+                report.send("arena", **row)
+        del loader
+        report.send("done", batches=batches, seconds=seconds, description=work.description)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools._memjob", description=__doc__.split("\n")[0])
+    p.add_argument("--workload", required=True)  # memprof validated both names
+    p.add_argument("--loader", choices=("torch", "shmloader"), required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batches", type=int, default=0, help="0: one epoch")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interval", type=float, default=0.05)
+    p.add_argument("--report-fd", type=int, required=True)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse_args())

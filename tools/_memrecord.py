@@ -1,0 +1,246 @@
+"""One profiled run's record: the rows memprof sampled, their summary, and the files written.
+
+``Recording`` collects three time series while a job runs (``t`` in seconds since the job started):
+- samples: one ``ProcSample`` per live process of the tree per tick;
+- shm: ``/dev/shm`` used bytes and entries per tick;
+- arena: the rows the job reported from ``loader.stats()`` (shmloader only).
+
+Invariants:
+- ``peak_total_pss`` is the largest, over ticks, of the PSS summed over the processes alive at
+  that tick; it is never smaller than any single process's peak PSS.
+- ``footprint`` at a tick is ``sum(pss - pss_shmem) + shared``, where ``shared`` is the growth of
+  ``/dev/shm`` used bytes since the start when there is any, else ``sum(pss_shmem)``. It counts
+  shared-memory pages that no process has mapped (batches queued between processes) and counts
+  every shared page once even when the processes were read a few milliseconds apart, which the
+  plain PSS sum cannot (see docs/memory.md); it assumes the job's shared memory lives either in
+  ``/dev/shm`` or in memfds, and that nothing else grows ``/dev/shm`` meanwhile.
+- A process's role is the one it has when the files are written (workers are named by the job
+  after their first sample), so every row of one pid carries the same role.
+- Files are written once, at the end, from the same rows the summary is computed from, so the
+  table, summary.json and the CSVs never disagree.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import astuple, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tools._procmem import Member, ProcessTree, ProcSample, ShmUsage
+
+MIB = 1024 * 1024
+SAMPLE_COLUMNS = tuple(f.name for f in fields(ProcSample))
+SHM_COLUMNS = ("t", "used_bytes", "entries")
+ARENA_COLUMNS = (
+    "t", "backend", "bytes_reserved", "bytes_in_use", "high_water_bytes", "max_bytes",
+    "growth_events", "slabs", "slot_sizes", "slots_total", "slots_free", "slots_writing",
+    "slots_ready", "slots_lent", "bytes_free", "bytes_writing", "bytes_ready", "bytes_lent",
+    "batches_held", "pinned_bytes",
+)
+
+
+@dataclass
+class Recording:
+    """The rows of one run, in arrival order."""
+
+    tree: ProcessTree
+    t0: float  # time.monotonic() when the job was started
+    interval_s: float
+    command: list[str]
+    label: str = ""
+    samples: list[ProcSample] = field(default_factory=list)
+    shm: list[tuple[float, int, int]] = field(default_factory=list)
+    arena: list[dict[str, Any]] = field(default_factory=list)
+    job: dict[str, Any] | None = None
+    exit_code: int | None = None
+    still_running: list[int] = field(default_factory=list)
+    ticks: int = 0
+    sampler_cpu_s: float = 0.0  # memprof's own CPU time while sampling
+    pending_roles: dict[int, str] = field(default_factory=dict)  # announced, not yet seen
+
+    def add_tick(self, rows: list[ProcSample], shm: ShmUsage) -> None:
+        self.ticks += 1
+        self.samples.extend(rows)
+        t = rows[0].t if rows else (self.shm[-1][0] if self.shm else 0.0)
+        self.shm.append((t, shm.used_bytes, shm.entries))
+
+    def add_report(self, message: dict[str, Any]) -> None:
+        """One JSON line from the job (tools._memjob: ``workers``, ``arena``, ``done``)."""
+        kind = message.pop("kind", "")
+        message["t"] = round(float(message.get("t", self.t0)) - self.t0, 4)
+        if kind == "arena":
+            self.arena.append(message)
+        elif kind == "workers":
+            for i, pid in enumerate(message.get("pids", [])):
+                member = self.tree.members.get(pid)
+                if member is not None:
+                    member.role = f"worker{i}"
+                else:  # not sampled yet: name it when it is first seen
+                    self.pending_roles[pid] = f"worker{i}"
+        elif kind == "done":
+            self.job = message
+
+    def apply_roles(self, members: list[Member]) -> None:
+        for m in members:
+            role = self.pending_roles.pop(m.pid, None)
+            if role is not None:
+                m.role = role
+
+    def role(self, pid: int) -> str:
+        member = self.tree.members.get(pid)
+        return member.role if member is not None else ""
+
+    # -- summary --------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Peaks of the tree, of each process, of /dev/shm and of the arena (module docstring)."""
+        ticks: dict[float, list[ProcSample]] = {}
+        for row in self.samples:
+            ticks.setdefault(row.t, []).append(row)
+        peak_t, peak_rows = max(ticks.items(), key=lambda kv: sum(r.pss for r in kv[1]),
+                                default=(0.0, []))
+        procs: dict[int, dict[str, Any]] = {}
+        for row in self.samples:
+            p = procs.get(row.pid)
+            if p is None:
+                p = procs[row.pid] = {
+                    "pid": row.pid, "ppid": row.ppid, "role": self.role(row.pid),
+                    "name": row.name, "first_t": row.t, "samples": 0,
+                    "first_pss": row.pss, "first_uss": row.uss,
+                    "peak_rss": 0, "peak_pss": 0, "peak_uss": 0, "peak_pss_shmem": 0,
+                }
+            p["last_t"] = row.t
+            p["samples"] += 1
+            for name in ("rss", "pss", "uss", "pss_shmem"):
+                p[f"peak_{name}"] = max(p[f"peak_{name}"], getattr(row, name))
+        used = [u for _, u, _ in self.shm]
+        baseline = used[0] if used else 0
+        shm_at = {t: u - baseline for t, u, _ in self.shm}
+
+        def footprint(t: float, rows: list[ProcSample]) -> int:
+            shmem = sum(r.pss_shmem for r in rows)
+            shared = shm_at.get(t, 0)
+            return sum(r.pss for r in rows) - shmem + (shared if shared > 0 else shmem)
+
+        fp_t, fp = max(((t, footprint(t, rs)) for t, rs in ticks.items()), key=lambda x: x[1],
+                       default=(0.0, 0))
+        return {
+            "label": self.label,
+            "command": self.command,
+            "exit_code": self.exit_code,
+            "interval_s": self.interval_s,
+            "ticks": self.ticks,
+            "sampler_cpu_s": round(self.sampler_cpu_s, 3),
+            "job": self.job,
+            "peak_total_pss": sum(r.pss for r in peak_rows),
+            "peak_total_pss_t": peak_t,
+            "peak_total_pss_processes": len(peak_rows),
+            "peak_footprint": fp,
+            "peak_footprint_t": fp_t,
+            "peak_total_uss": max((sum(r.uss for r in rs) for rs in ticks.values()), default=0),
+            "peak_total_rss": max((sum(r.rss for r in rs) for rs in ticks.values()), default=0),
+            "processes": list(procs.values()),
+            "shm": {
+                "baseline_used_bytes": baseline,
+                "peak_used_bytes": max(used, default=0),
+                "peak_added_bytes": max(used, default=0) - baseline,
+                "peak_entries": max((e for _, _, e in self.shm), default=0),
+            },
+            "arena": self._arena_summary(),
+            "still_running": self.still_running,
+        }
+
+    def _arena_summary(self) -> dict[str, Any] | None:
+        if not self.arena:
+            return None
+        last = self.arena[-1]
+
+        def peak(key: str) -> int:
+            return max(int(row.get(key, 0)) for row in self.arena)
+
+        return {
+            "backend": last.get("backend", ""),
+            "peak_bytes_reserved": peak("bytes_reserved"),
+            "peak_bytes_in_use": peak("bytes_in_use"),
+            "high_water_bytes": peak("high_water_bytes"),
+            "slots_total": peak("slots_total"),
+            "slot_sizes": last.get("slot_sizes", ""),
+            "growth_events": peak("growth_events"),
+            "peak_batches_held": peak("batches_held"),
+            "samples": len(self.arena),
+        }
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def write(self, out: Path) -> dict[str, Any]:
+        """Write samples.csv, shm.csv, arena.csv and summary.json into ``out``; return the
+        summary."""
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "samples.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(SAMPLE_COLUMNS)
+            for row in self.samples:
+                values = list(astuple(row))
+                values[SAMPLE_COLUMNS.index("role")] = self.role(row.pid)
+                w.writerow(values)
+        with open(out / "shm.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(SHM_COLUMNS)
+            w.writerows(self.shm)
+        with open(out / "arena.csv", "w", newline="") as f:
+            dw = csv.DictWriter(f, ARENA_COLUMNS, restval="", extrasaction="ignore")
+            dw.writeheader()
+            dw.writerows(self.arena)
+        summary = self.summary()
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def mib(n: float) -> str:
+    return f"{n / MIB:,.1f}"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The table memprof prints after a run."""
+    job = s.get("job") or {}
+    head = s["label"] or " ".join(s["command"])
+    lines = [f"== {head}"]
+    if job:
+        lines.append(f"   {job.get('description', '')}: {job.get('batches', 0)} batches in "
+                     f"{job.get('seconds', 0.0):.2f} s")
+    lines.append(f"   exit code {s['exit_code']}, {s['ticks']} samples every "
+                 f"{s['interval_s'] * 1000:.0f} ms ({s['sampler_cpu_s']:.2f} s of sampler CPU)")
+    lines.append(f"   peak total PSS of the tree: {mib(s['peak_total_pss'])} MiB at "
+                 f"t={s['peak_total_pss_t']:.2f} s ({s['peak_total_pss_processes']} processes); "
+                 f"peak total USS {mib(s['peak_total_uss'])} MiB")
+    lines.append(f"   peak footprint (PSS with shared memory counted once, unmapped included): "
+                 f"{mib(s['peak_footprint'])} MiB at t={s['peak_footprint_t']:.2f} s")
+    shm = s["shm"]
+    lines.append(f"   /dev/shm peak: {mib(shm['peak_used_bytes'])} MiB used "
+                 f"(+{mib(shm['peak_added_bytes'])} MiB over the start), "
+                 f"{shm['peak_entries']} entries at most")
+    arena = s["arena"]
+    if arena:
+        lines.append(f"   arena peak: {mib(arena['peak_bytes_reserved'])} MiB reserved "
+                     f"({arena['backend']}, {arena['slots_total']} slots of "
+                     f"{arena['slot_sizes']} B, growth events: {arena['growth_events']}), "
+                     f"{mib(arena['peak_bytes_in_use'])} MiB in use at most, "
+                     f"{arena['peak_batches_held']} batches held at most")
+    header = ("pid", "role", "name", "first PSS", "peak PSS", "first USS", "peak USS",
+              "peak RSS", "peak shmem", "seen (s)")
+    rows = [header]
+    for p in s["processes"]:
+        rows.append((str(p["pid"]), p["role"], p["name"], mib(p["first_pss"]), mib(p["peak_pss"]),
+                     mib(p["first_uss"]), mib(p["peak_uss"]), mib(p["peak_rss"]),
+                     mib(p["peak_pss_shmem"]), f"{p['first_t']:.2f}-{p['last_t']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines.append("   memory per process, MiB:")
+    for r in rows:
+        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                  strict=True))]
+        lines.append("   " + "  ".join(cells))
+    if s["still_running"]:
+        lines.append(f"   still running when sampling stopped: {s['still_running']}")
+    return "\n".join(lines)
