@@ -213,6 +213,8 @@ def run(args: argparse.Namespace) -> None:
             for batch in it:
                 consume(batch)
                 del batch
+                if args.step_ms:  # a training step that keeps the main process busy elsewhere
+                    stop.wait(args.step_ms / 1000)
                 batches += 1
                 if batches == target:
                     break
@@ -239,6 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--interval", type=float, default=0.05)
     p.add_argument("--report-fd", type=int, required=True)
+    p.add_argument("--step-ms", type=float, default=0.0)
     return p.parse_args(argv)
 
 

@@ -57,7 +57,8 @@ class CommandError(RuntimeError):
 def _job_command(args: argparse.Namespace, loader: str, report_fd: int) -> list[str]:
     cmd = [sys.executable, "-m", "tools._memjob", "--workload", args.workload, "--loader", loader,
            "--workers", str(args.workers), "--batches", str(args.batches), "--seed",
-           str(args.seed), "--interval", str(args.interval), "--report-fd", str(report_fd)]
+           str(args.seed), "--interval", str(args.interval), "--report-fd", str(report_fd),
+           "--step-ms", str(args.step_ms)]
     return cmd + (["--quick"] if args.quick else [])
 
 
@@ -285,6 +286,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batches", type=int, default=0, help="batches to load (default: one epoch)")
     p.add_argument("--quick", action="store_true", help="small dataset sizes, for a smoke run")
+    p.add_argument("--step-ms", type=float, default=0.0, metavar="MS",
+                   help="simulated training step after each batch (a GPU-bound job's main "
+                   "process is busy elsewhere; the loader's prefetch then fills up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true",
                    help="run torch then shmloader on the workload; print the ratios")
