@@ -97,11 +97,14 @@ class Arena:
 
     # -- acquiring -----------------------------------------------------------------------------
 
-    def acquire(self, nbytes: int, timeout: float = 0.0) -> SlotRef | None:
+    def acquire(
+        self, nbytes: int, timeout: float = 0.0, *, add_slab: bool = True
+    ) -> SlotRef | None:
         """A WRITING slot of at least ``nbytes``, growing the arena if needed and allowed.
 
-        Returns ``None`` when the arena is at its cap and no fitting slot became free within
-        ``timeout`` seconds. Raises :class:`ArenaCapacityError` when ``nbytes`` can never fit.
+        With ``add_slab=False`` only an existing free slot is taken (no growth). Returns ``None``
+        when no fitting slot became free within ``timeout`` seconds and growth was not allowed or
+        would pass the cap. Raises :class:`ArenaCapacityError` when ``nbytes`` can never fit.
         """
         need = page_align(nbytes)
         if need > self.max_bytes:
@@ -114,7 +117,7 @@ class Arena:
         with self._cond:
             self._check_open()
             ref = self._take(need)
-            if ref is None and self._grow(need):
+            if ref is None and add_slab and self._grow(need):
                 ref = self._take(need)
             while ref is None:
                 left = deadline - time.monotonic()
@@ -163,6 +166,11 @@ class Arena:
         return True
 
     # -- transitions ---------------------------------------------------------------------------
+
+    def has_class_for(self, nbytes: int) -> bool:
+        """Whether some slab's slots can hold ``nbytes`` (busy or not)."""
+        with self._cond:
+            return bool(self._classes) and self._classes[-1] >= page_align(nbytes)
 
     def mark_ready(self, ref: SlotRef) -> None:
         """WRITING -> READY: the writer has finished."""

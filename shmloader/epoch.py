@@ -6,10 +6,15 @@ Everything runs in the caller's thread: there is no background thread in the mai
 sampler order (or any batch, with ``in_order=False``) is ready, and lends it.
 
 Invariants:
-- Tasks sent and not yet yielded ``<= prefetch_factor * num_workers`` (torch's bound); slots in
-  use ``<=`` that ``+ 2`` (the batch being handed over and the one the user still holds) plus
-  whatever older batches the user keeps. A task is sent only
-  with a slot acquired for it once the batch size is known (back-pressure from the arena).
+- Tasks sent and not yet yielded ``<= prefetch_factor * num_workers`` (torch's bound, and the
+  same number of sampler indices drawn ahead as torch). A task takes a free slot when sent; if
+  none is free it goes without one and is offered the next slot to free up, before its worker
+  reaches it if possible. A worker that reaches a task without a slot (or with too small a slot)
+  asks for one (NEED_SLOT) and waits for the GRANT.
+- The arena grows by another slab of a size class only when every worker with work is waiting
+  for a slot, i.e. the user holds every other slot; at its cap that is ArenaExhaustedError. So
+  in steady state the slots in use are the batch the user holds, the one being handed over and
+  the tasks in flight.
 - Batch ``i`` of an epoch goes to the ``i``-th live worker in round-robin order, as in torch, so
   worker-side randomness gives the same batches as torch.
 - A slot is released exactly once: when the user's last view dies, when its task fails or is
@@ -115,6 +120,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             for wid in range(self._num_workers):
                 self._sup.send(wid, P.Resume(self._epoch, self._shared_seed))
         self._tasks: TaskTable[Answer] = TaskTable()
+        self._slotless: deque[int] = deque()  # tasks sent without a slot, waiting for one
         self._arrived: deque[TaskInfo[Answer]] = deque()  # answered out of order, not yielded
         self._sampler_done = False
         self._status = [True] * self._num_workers
@@ -166,11 +172,9 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 return
 
     def _put_task(self) -> bool:
-        ref = None
-        if self._host.largest:
-            ref = self._acquire(self._host.largest)
-            if ref is None:
-                return False  # no free slot and the arena is at its cap: wait for a release
+        # A free slot goes with the task; with none free the task still goes (torch's prefetch),
+        # and its slot is offered as soon as one frees up (_offer_slots).
+        ref = self._acquire(self._host.largest, add_slab=False) if self._host.largest else None
         try:
             index = self._next_index()  # type: ignore[no-untyped-call]
         except StopIteration:
@@ -186,10 +190,26 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         info = self._tasks.add(wid, ref)
         self._num_tasks[wid] += 1
         self._sup.send(wid, P.Task(info.seq, self._epoch, ref, index))
+        if ref is None and self._host.largest:
+            self._slotless.append(info.seq)
         return True
 
-    def _acquire(self, nbytes: int) -> SlotRef | None:
-        ref = self._arena.acquire(nbytes)
+    def _offer_slots(self) -> None:
+        """Give free slots to tasks sent without one, oldest first, before their worker asks."""
+        while self._slotless:
+            info = self._tasks.get(self._slotless[0])
+            if info is None or info.ref is not None or info.answer is not None:
+                self._slotless.popleft()
+                continue
+            ref = self._acquire(self._host.largest, add_slab=False)
+            if ref is None:
+                return
+            self._slotless.popleft()
+            info.ref = ref
+            self._sup.send(info.worker_id, P.Grant(info.seq, self._epoch, ref))
+
+    def _acquire(self, nbytes: int, add_slab: bool = True) -> SlotRef | None:
+        ref = self._arena.acquire(nbytes, add_slab=add_slab)
         if ref is not None and ref.slab_id not in self._known_slabs:
             self._known_slabs.add(ref.slab_id)
             spec = self._arena.slab(ref.slab_id).spec
@@ -206,6 +226,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
         while True:
             self._fill()
+            self._offer_slots()  # slots the user released since the last call
+            self._retry_grants()
             info = self._tasks.next_in_order(lambda w: self._status[w])
             for skipped in self._tasks.skipped():
                 for r in (skipped.ref, skipped.spare):
@@ -216,33 +238,19 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             if self._arrived:
                 return self._process(self._arrived.popleft())
             if info is None:
-                if not self._sampler_done and any(self._status) and self._stalled():
-                    continue
                 if not self._persistent_workers:
                     self._finalizer()
                 raise StopIteration
             self._receive()
 
-    def _stalled(self) -> bool:
-        """Nothing in flight yet data remains: slots are all held. True if freeing one helped."""
-        gc.collect()  # views caught in reference cycles
-        self._fill()
-        if self._tasks.sent > self._tasks.rcvd:
-            return True
-        st = self._arena.stats()
-        raise ArenaExhaustedError(
-            f"every arena slot is in use: the user holds {self._leases.held} batches "
-            f"({st.bytes_in_use:,} bytes) and the arena is at its cap of {st.max_bytes:,} bytes "
-            f"({st.slots_total} slots). Drop references to old batches, copy what you keep with "
-            ".clone(), release them early with shmloader.release(batch), or raise "
-            "arena_max_bytes."
-        )
-
     def _receive(self) -> None:
         """Wait for worker frames and handle every one of them."""
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
+            self._offer_slots()
             self._retry_grants()
+            if self._blocked():
+                self._unblock()
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
@@ -265,6 +273,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             )
         if isinstance(msg, P.NeedSlot):
             self._host.largest = max(self._host.largest, msg.nbytes)
+            if info.ref is not None and msg.nbytes <= self._arena.slot_size(info.ref):
+                return  # it asked while the slot offered to it was on its way: that one fits
+            if info.ref is None and msg.seq in self._slotless:
+                self._slotless.remove(msg.seq)  # served by the grant it asked for, not an offer
             self._pending_grants.append((wid, msg.seq, msg.nbytes))
             self._retry_grants()
             return
@@ -303,21 +315,53 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         for r in refs:
             self._arena.release(r)
 
-    def _retry_grants(self) -> None:
-        still = []
+    def _retry_grants(self, add_slab: bool = False) -> None:
+        """Grant the slots workers asked for, oldest first. A new size class is always created;
+        another slab of an existing class only with ``add_slab`` (when nothing else can move)."""
+        still: list[tuple[int, int, int]] = []
         for wid, seq, nbytes in self._pending_grants:
             info = self._tasks.get(seq)
             if info is None:
                 continue
-            ref = self._acquire(nbytes)
+            grow = add_slab or not self._arena.has_class_for(nbytes)
+            ref = self._acquire(nbytes, add_slab=grow) if not still or grow else None
             if ref is None:
                 still.append((wid, seq, nbytes))
                 continue
+            add_slab = False  # one new slab per call is enough to move again
             if info.ref is not None:
-                info.spare = info.ref
+                info.spare = info.ref  # too small: released when the answer arrives
             info.ref = ref
-            self._sup.send(wid, P.Grant(seq, ref))
+            self._sup.send(wid, P.Grant(seq, self._epoch, ref))
         self._pending_grants = still
+
+    def _blocked(self) -> bool:
+        """Every worker with unanswered work waits for a slot: nothing moves until one is
+        granted, and no slot will come back while the user holds the rest."""
+        if not self._pending_grants:
+            return False
+        waiting = {wid for wid, _, _ in self._pending_grants}
+        busy = {i.worker_id for i in self._tasks if i.answer is None and self._status[i.worker_id]}
+        return busy <= waiting
+
+    def _unblock(self) -> None:
+        """Add a slab (within the cap); failing that, collect garbage (views caught in
+        reference cycles); failing that, raise."""
+        self._retry_grants(add_slab=True)
+        if not self._blocked():
+            return
+        gc.collect()
+        self._retry_grants()
+        if not self._blocked():
+            return
+        st = self._arena.stats()
+        raise ArenaExhaustedError(
+            f"every arena slot is in use: the user holds {self._leases.held} batches "
+            f"({st.bytes_in_use:,} bytes) and the arena is at its cap of {st.max_bytes:,} bytes "
+            f"({st.slots_total} slots). Drop references to old batches, copy what you keep with "
+            ".clone(), release them early with shmloader.release(batch, loader), or raise "
+            "arena_max_bytes."
+        )
 
     def _process(self, info: TaskInfo[Answer]) -> Any:
         self._num_tasks[info.worker_id] -= 1

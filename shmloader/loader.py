@@ -10,8 +10,9 @@ Extra keyword-only arguments (validated here, once):
 - ``arena_backend``: ``"auto"`` (default: POSIX ``/dev/shm`` when it fits, else memfd),
   ``"posix"`` or ``"memfd"``.
 - ``arena_max_bytes``: cap on the arena's shared memory (default: half the available RAM).
-- ``arena_slots_per_slab``: slots in each new slab (default ``prefetch_factor * num_workers + 2``:
-  the tasks in flight, the batch the user holds, and the one being handed over).
+- ``arena_slots_per_slab``: slots in each new slab (default ``prefetch_factor * num_workers + 1``:
+  the batch the user holds, the one being handed over, and the other tasks in flight; the task
+  sent while those are all busy gets its slot the moment the user drops the previous batch).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._host = ArenaHost(
                 backend=opts.backend,
                 max_bytes=opts.max_bytes,
-                slots_per_slab=opts.slots_per_slab or ((self.prefetch_factor or 2) * nw + 2),
+                slots_per_slab=opts.slots_per_slab or ((self.prefetch_factor or 2) * nw + 1),
                 pin=it._pin_memory,
                 pin_device=it._pin_memory_device,
             )

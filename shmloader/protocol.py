@@ -5,8 +5,9 @@ Every message is one ``bytes`` frame on that worker's duplex pipe. Its first byt
 sampler index, an exception, a slab spec). The hot-path frames (``TASK``, ``READY``) carry no
 pickle apart from the index.
 
-Main -> worker: ``TASK`` (fetch this index into this slot), ``GRANT`` (the bigger slot an
-oversized batch asked for), ``ATTACH`` (map a new slab), ``RESUME`` (a new epoch begins),
+Main -> worker: ``TASK`` (fetch this index into this slot — or into no slot yet, when none was
+free at dispatch), ``GRANT`` (the slot for a task: offered as soon as one frees up, or the bigger
+slot an oversized batch asked for), ``ATTACH`` (map a new slab), ``RESUME`` (a new epoch begins),
 ``STOP`` (exit).
 Worker -> main: ``READY`` (the batch is in the slot; a descriptor follows), ``NEED_SLOT`` (the
 batch needs ``nbytes``; the worker waits for a ``GRANT``), ``FAILED`` (dataset or collate
@@ -51,8 +52,8 @@ _TASK: Final = struct.Struct("<BQIBIII")
 _READY: Final = struct.Struct("<BQII")
 # kind, seq, epoch, worker_id, nbytes
 _NEED: Final = struct.Struct("<BQIIQ")
-# kind, seq, slab_id, slot, generation
-_GRANT: Final = struct.Struct("<BQIII")
+# kind, seq, epoch, slab_id, slot, generation
+_GRANT: Final = struct.Struct("<BQIIII")
 # kind, epoch
 _RESUME: Final = struct.Struct("<BI")
 # kind, seq, epoch, worker_id (+ pickle)
@@ -70,6 +71,7 @@ class Task(NamedTuple):
 
 class Grant(NamedTuple):
     seq: int
+    epoch: int
     ref: SlotRef
 
 
@@ -139,7 +141,7 @@ def encode(msg: ToWorker | ToMain) -> bytes:
         return _NEED.pack(Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes)
     if isinstance(msg, Grant):
         r = msg.ref
-        return _GRANT.pack(Kind.GRANT, msg.seq, r.slab_id, r.slot, r.generation)
+        return _GRANT.pack(Kind.GRANT, msg.seq, msg.epoch, r.slab_id, r.slot, r.generation)
     if isinstance(msg, Failed):
         head = _EVENT.pack(Kind.FAILED, msg.seq, msg.epoch, msg.worker_id)
         return head + pickle.dumps(msg.error, _PICKLE)
@@ -170,8 +172,8 @@ def decode(frame: bytes) -> ToWorker | ToMain:
         _, seq, epoch, wid, nbytes = _NEED.unpack_from(frame)
         return NeedSlot(seq, epoch, wid, nbytes)
     if kind == Kind.GRANT:
-        _, seq, slab_id, slot, gen = _GRANT.unpack_from(frame)
-        return Grant(seq, SlotRef(slab_id, slot, gen))
+        _, seq, epoch, slab_id, slot, gen = _GRANT.unpack_from(frame)
+        return Grant(seq, epoch, SlotRef(slab_id, slot, gen))
     if kind == Kind.FAILED:
         _, seq, epoch, wid = _EVENT.unpack_from(frame)
         return Failed(seq, epoch, wid, pickle.loads(memoryview(frame)[_EVENT.size :]))

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from arena import Slab, SlabSpec
+from arena import Slab, SlabSpec, SlotRef
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     ITERABLE_KIND,
@@ -113,6 +113,7 @@ class _Worker:
         self.inbox: deque[P.ToWorker] = deque()
         self.iteration_end = False
         self.latest_epoch = 0
+        self.grants: dict[tuple[int, int], SlotRef] = {}  # (epoch, seq) -> slot offered
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
@@ -167,9 +168,25 @@ class _Worker:
             return P.Stop()
         if isinstance(msg, P.Attach):
             self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+        elif isinstance(msg, P.Grant):
+            self.grants[(msg.epoch, msg.seq)] = msg.ref
         elif isinstance(msg, P.Resume):
             self.latest_epoch = max(self.latest_epoch, msg.epoch)
+            for key in [k for k in self.grants if k[0] < msg.epoch]:
+                del self.grants[key]  # grants for tasks of an abandoned epoch
         return msg  # type: ignore[return-value]
+
+    def take_grant(self, epoch: int, seq: int) -> SlotRef | None:
+        """A slot the main process has already offered for this task, if any (reads whatever
+        frames are waiting, without blocking)."""
+        while (epoch, seq) not in self.grants and self.conn.poll(0):
+            msg = self.read()
+            if not isinstance(msg, P.Attach | P.Grant):
+                self.inbox.append(msg)
+        return self.grants.pop((epoch, seq), None)
+
+    def slot(self, ref: SlotRef | None) -> memoryview | None:
+        return None if ref is None else self.slabs[ref.slab_id].slot_buffer(ref.slot)
 
     def send(self, msg: P.ToMain) -> None:
         self.conn.send_bytes(P.encode(msg))
@@ -192,7 +209,7 @@ class _Worker:
                     self._apply_shared_seed(msg.shared_seed)
                 if self.init_error is None:
                     self.make_fetcher()
-            # ATTACH was applied when read; a GRANT outside a wait is for an abandoned task.
+            # ATTACH and GRANT were recorded when read.
 
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's
@@ -217,9 +234,9 @@ class _Worker:
             err, self.init_error = self.init_error, None
             self.send(P.Failed(task.seq, task.epoch, wid, err))
             return
-        slot = None if task.ref is None else self.slabs[task.ref.slab_id].slot_buffer(task.ref.slot)
+        ref = task.ref or self.take_grant(task.epoch, task.seq)
         try:
-            with SlotSession(slot) as session:
+            with SlotSession(self.slot(ref)) as session:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
                 del data
@@ -234,41 +251,38 @@ class _Worker:
         except Exception:  # noqa: BLE001
             self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
             return
-        if packed.fits and task.ref is not None:
-            self.collator.samples = None
-            self.send(P.Ready(task.seq, task.epoch, wid, packed.describe(task.ref)))
-            return
-        self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed))
-        grant = self.wait_grant(task.seq)
-        if grant is None:
-            self.collator.samples = None
-            return
-        big = self.slabs[grant.ref.slab_id].slot_buffer(grant.ref.slot)
         try:
-            if packed.session.planned:  # collate the same samples again, into the big slot
-                with SlotSession(big) as session:
-                    packed = Packed(session, self.collator(self.collator.samples))
-                desc = packed.describe(grant.ref)
-            else:
-                desc = packed.write_into(grant.ref, big)
+            while ref is None or not packed.fits:
+                # No slot yet, or too small: ask, then lay the batch out in the slot granted.
+                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed))
+                ref = self.wait_grant(task.epoch, task.seq)
+                if ref is None:
+                    return  # the epoch was abandoned or teardown began
+                big = self.slabs[ref.slab_id].slot_buffer(ref.slot)
+                if packed.session.planned:  # collate the same samples again, into the slot
+                    with SlotSession(big) as session:
+                        packed = Packed(session, self.collator(self.collator.samples))
+                elif len(big) >= packed.needed:
+                    self.send(P.Ready(task.seq, task.epoch, wid, packed.write_into(ref, big)))
+                    return
+            self.send(P.Ready(task.seq, task.epoch, wid, packed.describe(ref)))
         # User code failed: forward it to the main process, as torch does.
         except Exception:  # noqa: BLE001
             self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
-            return
         finally:
             self.collator.samples = None
-        self.send(P.Ready(task.seq, task.epoch, wid, desc))
 
-    def wait_grant(self, seq: int) -> P.Grant | None:
-        """Block until the GRANT for ``seq``. None if a RESUME (the task's epoch was abandoned)
-        or STOP comes first; those and any tasks read meanwhile are queued for :meth:`run`."""
-        while not any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
+    def wait_grant(self, epoch: int, seq: int) -> SlotRef | None:
+        """Block until the slot for task ``seq`` is granted. None if a RESUME (the task's epoch
+        was abandoned) or STOP comes first; those and any tasks read meanwhile are queued for
+        :meth:`run`."""
+        while (epoch, seq) not in self.grants:
+            if any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
+                return None
             msg = self.read()
-            if isinstance(msg, P.Grant) and msg.seq == seq:
-                return msg
             if not isinstance(msg, P.Attach | P.Grant):
                 self.inbox.append(msg)
-        return None
+        return self.grants.pop((epoch, seq))
 
     def close(self) -> None:
         for slab in self.slabs.values():

@@ -15,7 +15,7 @@ DESC = Descriptor(REF, (ArraySpec(0, 8, (4, 3)), ArraySpec(64, 6, ())), 128, 33)
     [
         P.Task(3, 1, REF, [1, 2, 3]),
         P.Task(4, 0, None, None),
-        P.Grant(9, REF),
+        P.Grant(9, 2, REF),
         P.Attach(SlabSpec(1, 4096, 3, SegmentSpec(123, 7, 12288, Backend.MEMFD))),
         P.Resume(2, None),
         P.Resume(3, 12345),
