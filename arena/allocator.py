@@ -29,7 +29,7 @@ import enum
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from arena._layout import page_align
 from arena.errors import ArenaCapacityError, StaleSlotError
@@ -45,12 +45,12 @@ class SlotState(enum.IntEnum):
     LENT = 3
 
 
-_STATE_NAMES = {s: s.name.lower() for s in SlotState}
+_STATE_NAMES = tuple(s.name.lower() for s in SlotState)  # indexed by state value
+_FREE = int(SlotState.FREE)
 
 
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """A handle on one slot for one generation."""
+class SlotRef(NamedTuple):
+    """A handle on one slot for one generation (a named tuple: made per batch, so cheap)."""
 
     slab_id: int
     slot: int
@@ -87,8 +87,11 @@ class Arena:
         self._gens: dict[int, list[int]] = {}
         self._classes: list[int] = []  # sorted slot sizes
         self._free: dict[int, list[tuple[int, int]]] = {}  # slot size -> [(slab_id, slot)]
-        self._slots_by_state = dict.fromkeys(SlotState, 0)
-        self._bytes_by_state = dict.fromkeys(SlotState, 0)
+        # Counters indexed by state value (plain lists: this is the per-batch hot path).
+        self._slots_by_state = [0] * len(SlotState)
+        self._bytes_by_state = [0] * len(SlotState)
+        self._sizes: dict[int, int] = {}  # slab id -> slot size
+        self._waiters = 0
         self._reserved = 0
         self._high_water = 0
         self._growth_events = 0
@@ -113,18 +116,24 @@ class Arena:
                 f"cap max_bytes={self.max_bytes:,}; raise the cap (arena_max_bytes) or make "
                 "batches smaller (batch_size)"
             )
-        deadline = time.monotonic() + timeout
         with self._cond:
             self._check_open()
             ref = self._take(need)
             if ref is None and add_slab and self._grow(need):
                 ref = self._take(need)
-            while ref is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    return None
-                self._check_open()
-                ref = self._take(need)
+            if ref is not None or timeout <= 0:
+                return ref
+            deadline = time.monotonic() + timeout
+            self._waiters += 1
+            try:
+                while ref is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._cond.wait(left):
+                        return None
+                    self._check_open()
+                    ref = self._take(need)
+            finally:
+                self._waiters -= 1
             return ref
 
     def _take(self, need: int) -> SlotRef | None:
@@ -159,8 +168,9 @@ class Arena:
             self._free[size] = []
         # Pop from the end hands out slot 0 first.
         self._free[size].extend((slab.slab_id, s) for s in reversed(range(nslots)))
-        self._slots_by_state[SlotState.FREE] += nslots
-        self._bytes_by_state[SlotState.FREE] += size * nslots
+        self._sizes[slab.slab_id] = size
+        self._slots_by_state[_FREE] += nslots
+        self._bytes_by_state[_FREE] += size * nslots
         self._reserved += size * nslots
         self._growth_events += 1
         return True
@@ -203,8 +213,9 @@ class Arena:
                     f"(generation {ref.generation})"
                 )
             self._move(ref.slab_id, ref.slot, SlotState.FREE)
-            self._free[self._slabs[ref.slab_id].slot_size].append((ref.slab_id, ref.slot))
-            self._cond.notify_all()
+            self._free[self._sizes[ref.slab_id]].append((ref.slab_id, ref.slot))
+            if self._waiters:
+                self._cond.notify_all()
             return True
 
     def state(self, ref: SlotRef) -> SlotState:
@@ -227,13 +238,14 @@ class Arena:
     def _move(self, slab_id: int, slot: int, dst: SlotState) -> None:
         states = self._states[slab_id]
         src = states[slot]
-        size = self._slabs[slab_id].slot_size
+        size = self._sizes[slab_id]
         states[slot] = dst
-        self._slots_by_state[src] -= 1
-        self._slots_by_state[dst] += 1
-        self._bytes_by_state[src] -= size
-        self._bytes_by_state[dst] += size
-        used = self._reserved - self._bytes_by_state[SlotState.FREE]
+        counts, nbytes = self._slots_by_state, self._bytes_by_state
+        counts[src] -= 1
+        counts[dst] += 1
+        nbytes[src] -= size
+        nbytes[dst] += size
+        used = self._reserved - nbytes[_FREE]
         if used > self._high_water:
             self._high_water = used
 
@@ -259,9 +271,9 @@ class Arena:
                 backend="+".join(sorted(backends)) if backends else "none",
                 bytes_reserved=self._reserved,
                 max_bytes=self.max_bytes,
-                bytes_by_state={_STATE_NAMES[s]: n for s, n in self._bytes_by_state.items()},
-                slots_by_state={_STATE_NAMES[s]: n for s, n in self._slots_by_state.items()},
-                slots_total=sum(self._slots_by_state.values()),
+                bytes_by_state=dict(zip(_STATE_NAMES, self._bytes_by_state, strict=True)),
+                slots_by_state=dict(zip(_STATE_NAMES, self._slots_by_state, strict=True)),
+                slots_total=sum(self._slots_by_state),
                 slot_sizes=tuple(self._classes),
                 high_water_bytes=self._high_water,
                 growth_events=self._growth_events,
