@@ -8,6 +8,7 @@ change. Tested against the torch version pinned in ``run.sh``.
 
 from __future__ import annotations
 
+import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data._utils.collate import (
@@ -22,6 +23,11 @@ from torch.utils.data.dataloader import (
     _sharding_worker_init_fn,
 )
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording (torch's __next__ opens a range per batch then)."""
+    return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
 
 def set_worker_info(info: WorkerInfo | None) -> None:
@@ -72,6 +78,7 @@ __all__ = [
     "create_fetcher",
     "numpy_seed",
     "pin_memory",
+    "profiler_enabled",
     "default_collate_fn_map",
     "set_worker_info",
     "wrap_current_exception",

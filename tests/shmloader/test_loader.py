@@ -166,3 +166,13 @@ def test_an_epoch_of_equal_batches_needs_exactly_one_slab():
     assert batches == [list(range(i, i + 8)) for i in range(0, 32, 8)]
     st = loader.stats().arena
     assert st.growth_events == 1 and len(st.slot_sizes) == 1
+
+
+def test_batches_are_recorded_by_the_torch_profiler_when_it_runs():
+    loader = shmloader.DataLoader(Squares(16), batch_size=4, num_workers=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        n = sum(1 for _ in loader)
+    assert n == 4
+    names = [e.name for e in prof.events()]
+    # one range per batch, and one for the call that ends the epoch (as torch records)
+    assert names.count("enumerate(DataLoader)#ShmDataLoaderIter.__next__") == n + 1
