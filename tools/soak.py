@@ -139,10 +139,10 @@ def soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         if w.pid != e.pid:
             failures.append(f"{w.role} was replaced: pid {w.pid} at warm-up, {e.pid} at the end")
     if st.slots_free != st.slots_total:
-        assert st.arena is not None
+        states = {} if st.arena is None else dict(st.arena.slots_by_state)
         failures.append(
             f"{st.slots_total - st.slots_free} of {st.slots_total} arena slots not free at the "
-            f"end: {dict(st.arena.slots_by_state)}"
+            f"end: {states}"
         )
     if st.batches_held:
         failures.append(f"{st.batches_held} batches still counted as held at the end")

@@ -1,0 +1,424 @@
+"""Top-level (picklable) datasets, collates, init functions and child-process scenarios for the
+fault-injection and bad-input tests (tests/test_faults.py, tests/test_bad_input.py).
+
+Synchronisation with workers goes through :class:`Gate`: the worker that loads the gated index
+says so (``reached``) and waits, bounded, for ``go``; the test then acts (kills a process, sends a
+signal) knowing exactly where everyone is. No sleeps stand in for synchronisation.
+
+Run as a script, this module is the *child process* whose death, Ctrl-C or exit the tests
+observe (it prints one JSON line describing its loader on stdout)::
+
+    python -m tests.fault_datasets block-in-next [--persistent]   # blocks in next() on a gate
+    python -m tests.fault_datasets break [--persistent]           # iterates, breaks, exits
+    python -m tests.fault_datasets small-shm                      # run inside a 64 MB /dev/shm
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import struct
+import sys
+import threading
+import traceback
+import warnings
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+GATE_WAIT_S = 60.0  # longest a gated worker waits for ``go``: a bound, never reached in a pass
+
+
+class Gate:
+    """A handshake with the worker that loads one index, over pipes.
+
+    Pipes, not ``multiprocessing.Event``: an Event's ``set()`` waits for every sleeper to wake,
+    so it would hang forever once a sleeping worker has been killed — exactly what these tests do.
+
+    The worker that loads the gated index writes its pid to ``reached``, then waits up to
+    :data:`GATE_WAIT_S` until the test either opens the gate (:meth:`open`; ``go`` stays readable
+    for good, so later loads pass straight through) or tells it to exit (:meth:`exit_worker`; the
+    worker consumes that byte and calls ``os._exit(exit_code)``). Made before the loader, the
+    pipes reach the workers by fork.
+    """
+
+    def __init__(self, exit_code: int = 3) -> None:
+        self.exit_code = exit_code
+        self._reached_r, self._reached_w = os.pipe()
+        self._go_r, self._go_w = os.pipe()
+        self._die_r, self._die_w = os.pipe()
+        fds = (self._reached_r, self._reached_w, self._go_r, self._go_w, self._die_r, self._die_w)
+        weakref.finalize(self, _close_all, fds)
+
+    def arrive(self) -> None:
+        """Called by the worker loading the gated index."""
+        os.write(self._reached_w, struct.pack("<i", os.getpid()))
+        ready, _, _ = select.select([self._go_r, self._die_r], [], [], GATE_WAIT_S)
+        if not ready:
+            raise TimeoutError(f"gate not opened within {GATE_WAIT_S} s")
+        if self._die_r in ready and self._go_r not in ready:
+            os.read(self._die_r, 1)
+            os._exit(self.exit_code)
+
+    def wait_reached(self, timeout: float = 30.0) -> int:
+        """The pid of the next worker to reach the gate, once one is there."""
+        ready, _, _ = select.select([self._reached_r], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"no worker reached the gate within {timeout} s")
+        (pid,) = struct.unpack("<i", os.read(self._reached_r, 4))
+        return int(pid)
+
+    def open(self) -> None:
+        """Let the waiting worker (and every later one) through."""
+        os.write(self._go_w, b"g")
+
+    def exit_worker(self) -> None:
+        """Make the waiting worker exit with ``exit_code``."""
+        os.write(self._die_w, b"x")
+
+
+def _close_all(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class Ramp(Dataset):
+    """Sample i: a float32 vector of ``width`` values i."""
+
+    def __init__(self, n: int, width: int = 4) -> None:
+        self.n = n
+        self.width = width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.width,), float(i))
+
+
+class Gated(Dataset):
+    """Sample i: a float32 vector of ``width`` values i. Loading ``gate_index`` goes through
+    ``gate`` (see :class:`Gate`), holding ``ballast_bytes`` of private memory while it waits
+    (a memory-hungry sample, the kind the OOM killer picks); every other index loads at once."""
+
+    def __init__(
+        self, n: int, gate_index: int, gate: Gate, width: int = 4, ballast_bytes: int = 0
+    ) -> None:
+        self.n = n
+        self.gate_index = gate_index
+        self.gate = gate
+        self.width = width
+        self.ballast_bytes = ballast_bytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.gate_index:
+            ballast = torch.ones(self.ballast_bytes, dtype=torch.uint8)
+            self.gate.arrive()
+            del ballast
+        return torch.full((self.width,), float(i))
+
+
+class TwoGates(Dataset):
+    """Like :class:`Gated` with two gated indices, so two workers can be held at once."""
+
+    def __init__(self, n: int, gates: dict[int, Gate]) -> None:
+        self.n = n
+        self.gates = gates
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in self.gates:
+            self.gates[i].arrive()
+        return torch.full((4,), float(i))
+
+
+class Images(Dataset):
+    """Sample i: a 3x512x512 uint8 image filled with i % 251 (a 25 MB batch at batch size 32)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3, 512, 512), i % 251, dtype=torch.uint8)
+
+
+class SizedByBatch(Dataset):
+    """Sample i: a uint8 vector of ``lengths[i // batch_size]`` values i % 251, so every sample of
+    a batch has one shape and batches differ in size as ``lengths`` says."""
+
+    def __init__(self, lengths: list[int], batch_size: int) -> None:
+        self.lengths = lengths
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return len(self.lengths) * self.batch_size
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.lengths[i // self.batch_size],), i % 251, dtype=torch.uint8)
+
+
+class Values(Dataset):
+    """Sample i is ``values[i]``, whatever it is (ragged tensors, None, odd objects)."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[i]
+
+
+class Opaque:
+    """An object default_collate has no rule for."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class Unpicklable:
+    """An object whose pickling raises: a batch holding one cannot be written to a slot."""
+
+    def __reduce__(self) -> Any:
+        raise ValueError("Unpicklable refuses to be pickled")
+
+
+class TaggedTensor(torch.Tensor):
+    """A tensor subclass, which shmloader carries in the pickled payload, not as a slot array."""
+
+
+def tagged_collate(samples: list[torch.Tensor]) -> TaggedTensor:
+    return torch.stack(samples).as_subclass(TaggedTensor)
+
+
+def unpicklable_collate_on_batch_1(samples: list[torch.Tensor]) -> Any:
+    """Collates normally, except the batch holding sample 4 (batch 1 at batch size 4) becomes
+    an object that cannot be pickled."""
+    batch = torch.stack(samples)
+    if int(batch[0, 0]) == 4:
+        return {"x": batch, "bad": Unpicklable()}
+    return batch
+
+
+def generator_collate(samples: list[torch.Tensor]) -> Any:
+    return (s for s in samples)
+
+
+def init_fails_in_worker_1(worker_id: int) -> None:
+    if worker_id == 1:
+        raise ValueError(f"worker_init_fn refused worker {worker_id}")
+
+
+class IterRaises(IterableDataset):
+    """``__iter__`` raises in every worker."""
+
+    def __iter__(self) -> Any:
+        raise OSError("shard file missing: /data/shard-0007.arrow")
+
+
+class HoldsALock(Dataset):
+    """A dataset that cannot be pickled (it holds a thread lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+# ------------------------------------------------------------------------- test helpers
+
+
+def outcomes(loader: Any, calls: int, detail: bool = True) -> list[str]:
+    """What each of up to ``calls`` calls of ``next()`` on a fresh iterator of ``loader`` gave:
+    ``"batch <shape>"``, ``"end"``, or the exception's type — with ``detail``, followed by the
+    first and last lines of its message (for a worker error: where it was caught, and the
+    original error). The iterator and every exception's frames die with this call, so a failing
+    assertion on the result keeps no worker alive."""
+    out = []
+    it = iter(loader)
+    for _ in range(calls):
+        try:
+            batch = next(it)
+        except StopIteration:
+            out.append("end")
+            break
+        except Exception as e:  # noqa: BLE001 - the outcome is whatever was raised
+            traceback.clear_frames(e.__traceback__)
+            lines = str(e).strip().splitlines() or [""]
+            name = type(e).__name__
+            out.append(f"{name}: {lines[0]} | {lines[-1]}" if detail else name)
+        else:
+            shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+            out.append(f"batch {shape}")
+            del batch
+    del it
+    return out
+
+
+# --------------------------------------------------------------------------- child scenarios
+
+
+def shm_view() -> dict[str, Any]:
+    """What this process holds of shared memory: /dev/shm entries and free bytes, and the
+    descriptors it has open on /dev/shm files or memfds."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("/dev/shm/", "/memfd:")):
+            fds.append(target)
+    st = os.statvfs("/dev/shm")
+    return {
+        "dev_shm_entries": sorted(os.listdir("/dev/shm")),
+        "dev_shm_free": st.f_bavail * st.f_frsize,
+        "shm_fds": sorted(fds),
+    }
+
+
+def _report(loader: Any, **extra: Any) -> None:
+    st = loader.stats()
+    line = {"worker_pids": list(st.worker_pids), "backend": st.arena.backend, **shm_view(), **extra}
+    print(json.dumps(line), flush=True)
+
+
+def hold_loader_until_killed(
+    conn: Connection, gate: Gate, batches: int, persistent: bool, block: bool
+) -> None:
+    """Body of a forked child standing in for a training process: builds a 2-worker loader over
+    :class:`Gated` (batch size 1, gated index ``batches``), reads ``batches`` batches (holding the
+    latest), sends its worker pids and shared-memory view on ``conn``, then waits to be killed:
+    blocked in ``next()`` on the gate if ``block``, else idle (either wait is bounded)."""
+    import shmloader
+
+    loader = shmloader.DataLoader(
+        Gated(32, batches, gate), batch_size=1, num_workers=2, persistent_workers=persistent
+    )
+    it = iter(loader)
+    held = None
+    for _ in range(batches):
+        held = next(it)  # the user holds the latest batch: a lent slot when the process dies
+    conn.send({"worker_pids": list(loader.stats().worker_pids), **shm_view()})
+    if block:
+        next(it)
+    else:
+        conn.poll(GATE_WAIT_S)
+    del held
+
+
+def _block_in_next(persistent: bool) -> None:
+    import shmloader
+
+    gate = Gate()
+    loader = shmloader.DataLoader(
+        Gated(32, 5, gate), batch_size=1, num_workers=2, persistent_workers=persistent
+    )
+    it = iter(loader)
+    first = [next(it) for _ in range(5)]
+
+    def report_when_blocked() -> None:
+        gate.wait_reached()
+        _report(loader, batches_read=len(first))
+
+    threading.Thread(target=report_when_blocked, daemon=True).start()
+    next(it)  # blocks on the gate until SIGKILL / SIGINT (or the gate's bound)
+
+
+def _break(persistent: bool) -> None:
+    import shmloader
+
+    loader = shmloader.DataLoader(
+        Ramp(64), batch_size=4, num_workers=2, persistent_workers=persistent
+    )
+    last: list[Any] = []
+    for _epoch in range(2 if persistent else 1):
+        for i, batch in enumerate(loader):
+            last = batch.tolist()
+            if i == 3:
+                break
+    _report(loader, last=last)
+
+
+def _small_shm() -> None:
+    """Inside a 64 MB /dev/shm: shmloader's default backend, explicit POSIX, torch's loader."""
+    import shmloader
+    from arena import ArenaCapacityError
+
+    out: dict[str, Any] = {"dev_shm_free_at_start": shm_view()["dev_shm_free"]}
+    data = Images(256)  # 8 batches of 32 x 3x512x512 uint8 = 25,165,824 bytes each
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = shmloader.DataLoader(data, batch_size=32, num_workers=2)
+        ok = 0
+        for i, batch in enumerate(loader):
+            expect = torch.arange(32 * i, 32 * i + 32) % 251
+            ok += bool(torch.equal(batch[:, 0, 0, 0].long(), expect))
+            ok += bool(torch.equal(batch[:, 2, 511, 511].long(), expect))
+        out["default"] = {
+            "batches": i + 1,
+            "checks_passed": ok,
+            "batch_bytes": batch.numel(),
+            "backend": loader.stats().arena.backend,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
+        }
+    del batch, loader
+
+    loader = shmloader.DataLoader(data, batch_size=32, num_workers=2, arena_backend="posix")
+    try:
+        next(iter(loader))
+        out["posix"] = {"raised": None}
+    except ArenaCapacityError as e:
+        out["posix"] = {"raised": type(e).__name__, "message": str(e)}
+    del loader
+
+    torch_loader = torch.utils.data.DataLoader(data, batch_size=32, num_workers=2, timeout=60)
+    try:
+        n = sum(1 for _ in torch_loader)
+        out["torch"] = {"raised": None, "batches": n}
+    except Exception as e:  # noqa: BLE001 - whatever torch raises is what we record
+        message = str(e).strip().splitlines()
+        out["torch"] = {"raised": type(e).__name__, "message": message[-1] if message else ""}
+    del torch_loader
+    out["dev_shm_entries_at_end"] = sorted(os.listdir("/dev/shm"))
+    print(json.dumps(out), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.fault_datasets")
+    parser.add_argument("scenario", choices=["block-in-next", "break", "small-shm"])
+    parser.add_argument("--persistent", action="store_true")
+    args = parser.parse_args(argv)
+    if args.scenario == "block-in-next":
+        _block_in_next(args.persistent)
+    elif args.scenario == "break":
+        _break(args.persistent)
+    else:
+        _small_shm()
+
+
+if __name__ == "__main__":
+    # Re-import under the module's real name so the classes pickle as tests.fault_datasets.*.
+    from tests import fault_datasets
+
+    fault_datasets.main(sys.argv[1:])
