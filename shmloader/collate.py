@@ -109,7 +109,10 @@ def _collate_tensor_in_slot(
     out = _session.empty((len(batch), *elem.shape), elem.dtype, plan=True)
     if out.is_meta:
         return out  # planning: the samples are stacked once a slot that fits is granted
-    return torch.stack(list(batch), 0, out=out)
+    try:
+        return torch.stack(list(batch), 0, out=out)
+    except TypeError:  # a non-tensor among the samples: raise exactly what torch raises
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
 
 
 SLOT_COLLATE_FN_MAP: dict[Any, Any] = {

@@ -30,13 +30,12 @@ import gc
 import os
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from arena import ArenaExhaustedError, SlotRef
+from arena import Arena, ArenaCapacityError, ArenaExhaustedError, SlotRef
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     IterDataPipe,
@@ -45,9 +44,10 @@ from shmloader._torch_compat import (
     _sharding_worker_init_fn,
     profiler_enabled,
 )
+from shmloader.books import Books
 from shmloader.collate import slot_default_collate
 from shmloader.host import ArenaHost
-from shmloader.reorder import TaskInfo, TaskTable
+from shmloader.reorder import TaskInfo
 from shmloader.supervisor import Supervisor, WorkerDeath
 from shmloader.worker import WorkerConfig
 
@@ -57,6 +57,24 @@ if TYPE_CHECKING:
 WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still wake it at once)
 
 Answer = P.Ready | P.Failed
+
+
+class _Raise:
+    """An error of the main process's own for one task (a batch that can never fit the arena),
+    raised at that batch's turn like a worker's error."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def reraise(self) -> None:
+        raise self.exc
+
+
+def _teardown(sup: Supervisor, books: Books[Answer], arena: Arena) -> None:
+    try:
+        sup.shutdown()
+    finally:
+        books.release_all(arena)  # no worker writes any more
 
 
 class ShmDataLoaderIter(_BaseDataLoaderIter):
@@ -99,13 +117,12 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             for i in range(nw)
         ]
         self._sup = Supervisor(ctx, configs)
-        self._finalizer = weakref.finalize(self, self._sup.shutdown)
+        self._books: Books[Answer] = Books()
+        # Dropped, exhausted or failed: stop the workers, then give back every slot in flight.
+        self._finalizer = weakref.finalize(self, _teardown, self._sup, self._books, self._arena)
         self._host.worker_pids = tuple(self._sup.pids)
         self._epoch = 0
         self._known_slabs: set[int] = set()
-        # (epoch, seq) -> (worker, slots) of tasks whose epoch was abandoned before they answered
-        self._orphans: dict[tuple[int, int], tuple[int, list[SlotRef]]] = {}
-        self._pending_grants: list[tuple[int, int, int]] = []  # (worker, seq, nbytes)
         self.failure: str | None = None
         self._reset(loader, first_iter=True)
 
@@ -120,9 +137,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._epoch += 1
             for wid in range(self._num_workers):
                 self._sup.send(wid, P.Resume(self._epoch, self._shared_seed))
-        self._tasks: TaskTable[Answer] = TaskTable()
-        self._slotless: deque[int] = deque()  # tasks sent without a slot, waiting for one
-        self._arrived: deque[TaskInfo[Answer]] = deque()  # answered out of order, not yielded
+                self._books.new_epoch()
         self._sampler_done = False
         self._status = [True] * self._num_workers
         self._num_tasks = [0] * self._num_workers
@@ -132,20 +147,20 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
     def _abandon_epoch(self) -> None:
         """Release what the old epoch holds; tasks still being written become orphans, released
         when their answer arrives (a worker never writes a slot after answering)."""
-        waiting = {seq for _, seq, _ in self._pending_grants}
-        for info in self._arrived:
+        waiting = {seq for _, seq, _ in self._books.pending}
+        for info in self._books.arrived:
             for r in (info.ref, info.spare):
                 if r is not None:
                     self._arena.release(r)
-        for info in self._tasks:
+        for info in self._books.tasks:
             refs = [r for r in (info.ref, info.spare) if r is not None]
             busy = info.answer is None and self._status[info.worker_id] and info.seq not in waiting
             if busy:
-                self._orphans[(self._epoch, info.seq)] = (info.worker_id, refs)
+                self._books.orphans[(self._epoch, info.seq)] = (info.worker_id, refs)
             else:
                 for r in refs:
                     self._arena.release(r)
-        self._pending_grants.clear()
+        self._books.pending.clear()
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -168,7 +183,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
     def _fill(self) -> None:
         # Bound: tasks sent and not yet handed to the user (torch sends one task per yielded
         # batch after its initial prefetch_factor * num_workers, which keeps the same bound).
-        while len(self._tasks) + len(self._arrived) < self._max_tasks and not self._sampler_done:
+        books = self._books
+        while len(books.tasks) + len(books.arrived) < self._max_tasks and not self._sampler_done:
             if not self._put_task():
                 return
 
@@ -188,24 +204,24 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             if ref is not None:
                 self._arena.release(ref)
             return False
-        info = self._tasks.add(wid, ref)
+        info = self._books.tasks.add(wid, ref)
         self._num_tasks[wid] += 1
         self._sup.send(wid, P.Task(info.seq, self._epoch, ref, index))
         if ref is None and self._host.largest:
-            self._slotless.append(info.seq)
+            self._books.slotless.append(info.seq)
         return True
 
     def _offer_slots(self) -> None:
         """Give free slots to tasks sent without one, oldest first, before their worker asks."""
-        while self._slotless:
-            info = self._tasks.get(self._slotless[0])
+        while self._books.slotless:
+            info = self._books.tasks.get(self._books.slotless[0])
             if info is None or info.ref is not None or info.answer is not None:
-                self._slotless.popleft()
+                self._books.slotless.popleft()
                 continue
             ref = self._acquire(self._host.largest, add_slab=False)
             if ref is None:
                 return
-            self._slotless.popleft()
+            self._books.slotless.popleft()
             info.ref = ref
             self._sup.send(info.worker_id, P.Grant(info.seq, self._epoch, ref))
 
@@ -243,15 +259,15 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._fill()
             self._offer_slots()  # slots the user released since the last call
             self._retry_grants()
-            info = self._tasks.next_in_order(lambda w: self._status[w])
-            for skipped in self._tasks.skipped():
+            info = self._books.tasks.next_in_order(lambda w: self._status[w])
+            for skipped in self._books.tasks.skipped():
                 for r in (skipped.ref, skipped.spare):
                     if r is not None:
                         self._arena.release(r)
             if info is not None and info.answer is not None:
-                return self._process(self._tasks.take_next())
-            if self._arrived:
-                return self._process(self._arrived.popleft())
+                return self._process(self._books.tasks.take_next())
+            if self._books.arrived:
+                return self._process(self._books.arrived.popleft())
             if info is None:
                 if not self._persistent_workers:
                     self._finalizer()
@@ -281,22 +297,21 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if msg.epoch != self._epoch:
             self._handle_orphan(msg)
             return
-        info = self._tasks.get(msg.seq)
+        info = self._books.tasks.get(msg.seq)
         if info is None or isinstance(msg, P.Dropped):
             raise RuntimeError(
                 f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
             )
         if isinstance(msg, P.NeedSlot):
-            self._host.largest = max(self._host.largest, msg.nbytes)
             if info.ref is not None and msg.nbytes <= self._arena.slot_size(info.ref):
                 return  # it asked while the slot offered to it was on its way: that one fits
-            if info.ref is None and msg.seq in self._slotless:
-                self._slotless.remove(msg.seq)  # served by the grant it asked for, not an offer
-            self._pending_grants.append((wid, msg.seq, msg.nbytes))
+            if info.ref is None and msg.seq in self._books.slotless:
+                self._books.slotless.remove(msg.seq)  # served by the grant it asked for
+            self._books.pending.append((wid, msg.seq, msg.nbytes))
             self._retry_grants()
             return
         if isinstance(msg, P.Exhausted):
-            self._tasks.pop(msg.seq)
+            self._books.tasks.pop(msg.seq)
             for r in (info.ref, info.spare):
                 if r is not None:
                     self._arena.release(r)
@@ -315,18 +330,23 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 self._arena.release(info.spare)
                 info.spare = None
             self._host.largest = max(self._host.largest, msg.desc.end)
+        self._answer(info, msg)
+
+    def _answer(self, info: TaskInfo[Answer], msg: Answer) -> None:
         info.answer = msg
-        if not self._in_order and msg.seq != self._tasks.rcvd:
-            self._arrived.append(self._tasks.pop(msg.seq))  # yielded as it came (in_order=False)
+        if not self._in_order and info.seq != self._books.tasks.rcvd:
+            # in_order=False: yielded as it came
+            self._books.arrived.append(self._books.tasks.pop(info.seq))
 
     def _handle_orphan(self, msg: P.ToMain) -> None:
         """An answer to a task of an abandoned epoch: its slots go back (any kind of answer
         means the worker is done with them)."""
-        wid, refs = self._orphans.pop((msg.epoch, msg.seq), (msg.worker_id, []))
+        wid, refs = self._books.orphans.pop((msg.epoch, msg.seq), (msg.worker_id, []))
         if isinstance(msg, P.Exhausted):
             # The replica ended: the worker ignores its later tasks of that epoch.
-            for key in [k for k, (w, _) in self._orphans.items() if k[0] == msg.epoch and w == wid]:
-                refs += self._orphans.pop(key)[1]
+            orphans = self._books.orphans
+            for key in [k for k, (w, _) in orphans.items() if k[0] == msg.epoch and w == wid]:
+                refs += orphans.pop(key)[1]
         for r in refs:
             self._arena.release(r)
 
@@ -334,30 +354,40 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         """Grant the slots workers asked for, oldest first. A new size class is always created;
         another slab of an existing class only with ``add_slab`` (when nothing else can move)."""
         still: list[tuple[int, int, int]] = []
-        for wid, seq, nbytes in self._pending_grants:
-            info = self._tasks.get(seq)
+        for wid, seq, nbytes in self._books.pending:
+            info = self._books.tasks.get(seq)
             if info is None:
                 continue
             grow = add_slab or not self._arena.has_class_for(nbytes)
-            ref = self._acquire(nbytes, add_slab=grow) if not still or grow else None
+            try:
+                ref = self._acquire(nbytes, add_slab=grow) if not still or grow else None
+            except ArenaCapacityError as e:  # this batch can never fit: its turn raises
+                self._sup.send(wid, P.Deny(seq, self._epoch))
+                self._answer(info, P.Failed(seq, self._epoch, wid, _Raise(e)))
+                continue
             if ref is None:
                 still.append((wid, seq, nbytes))
                 continue
             add_slab = False  # one new slab per call is enough to move again
+            self._host.largest = max(self._host.largest, nbytes)
             if info.ref is not None:
                 info.spare = info.ref  # too small: released when the answer arrives
             info.ref = ref
             self._sup.send(wid, P.Grant(seq, self._epoch, ref))
-        self._pending_grants = still
+        self._books.pending = still
 
     def _blocked(self) -> bool:
-        """Every worker with unanswered work waits for a slot: nothing moves until one is
-        granted, and no slot will come back while the user holds the rest."""
-        if not self._pending_grants:
+        """What the user needs next cannot move without another slot: in sampler order, the
+        next batch's task waits for a grant; in any order, every worker with work does. No slot
+        comes back while the user holds all the others."""
+        books = self._books
+        if not books.pending:
             return False
-        waiting = {wid for wid, _, _ in self._pending_grants}
-        busy = {i.worker_id for i in self._tasks if i.answer is None and self._status[i.worker_id]}
-        return busy <= waiting
+        waiting = {seq for _, seq, _ in books.pending}
+        unanswered = [i for i in books.tasks if i.answer is None and self._status[i.worker_id]]
+        if self._in_order and unanswered and min(i.seq for i in unanswered) in waiting:
+            return True
+        return {i.worker_id for i in unanswered} <= {wid for wid, _, _ in books.pending}
 
     def _unblock(self) -> None:
         """Add a slab (within the cap); failing that, collect garbage (views caught in
@@ -398,11 +428,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             "workers)"
         )
         self.failure = first.describe() + detail
-        self._finalizer()  # every worker is stopped first: then no slot is being written
-        for info in [*self._tasks, *self._arrived]:  # nothing of this iterator is yielded now
-            for r in (info.ref, info.spare):
-                if r is not None:
-                    self._arena.release(r)
+        self._sup.kill()  # the iterator is dead: no graceful wait for busy survivors
+        self._finalizer()
         raise RuntimeError(self.failure)
 
     def _shutdown_workers(self) -> None:

@@ -71,6 +71,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             raise ValueError(
                 f"arena_backend must be one of {[b.value for b in Backend]}, got {arena_backend!r}"
             ) from None
+        for name, value in (
+            ("arena_max_bytes", arena_max_bytes),
+            ("arena_slots_per_slab", arena_slots_per_slab),
+        ):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(
+                    f"{name} must be an int or None, got {value!r} ({type(value).__name__}); "
+                    "give arena_max_bytes in bytes, e.g. 8 * 2**30 for 8 GiB"
+                )
         if arena_max_bytes is not None and arena_max_bytes <= 0:
             raise ValueError(f"arena_max_bytes must be positive, got {arena_max_bytes}")
         if arena_slots_per_slab is not None and arena_slots_per_slab < 1:

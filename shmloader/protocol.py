@@ -7,8 +7,9 @@ pickle apart from the index.
 
 Main -> worker: ``TASK`` (fetch this index into this slot — or into no slot yet, when none was
 free at dispatch), ``GRANT`` (the slot for a task: offered as soon as one frees up, or the bigger
-slot an oversized batch asked for), ``ATTACH`` (map a new slab), ``RESUME`` (a new epoch begins),
-``STOP`` (exit).
+slot an oversized batch asked for), ``DENY`` (that slot can never exist: the batch is larger
+than the arena's cap; the main process raises the error, the worker moves on), ``ATTACH`` (map
+a new slab), ``RESUME`` (a new epoch begins), ``STOP`` (exit).
 Worker -> main: ``READY`` (the batch is in the slot; a descriptor follows), ``NEED_SLOT`` (the
 batch needs ``nbytes``; the worker waits for a ``GRANT``), ``FAILED`` (dataset or collate
 raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the task
@@ -39,6 +40,7 @@ class Kind(enum.IntEnum):
     ATTACH = 3
     RESUME = 4
     STOP = 5
+    DENY = 6
     READY = 16
     NEED_SLOT = 17
     FAILED = 18
@@ -56,6 +58,8 @@ _NEED: Final = struct.Struct("<BQIIQ")
 _GRANT: Final = struct.Struct("<BQIIII")
 # kind, epoch
 _RESUME: Final = struct.Struct("<BI")
+# kind, seq, epoch
+_DENY: Final = struct.Struct("<BQI")
 # kind, seq, epoch, worker_id (+ pickle)
 _EVENT: Final = struct.Struct("<BQII")
 _KIND: Final = struct.Struct("<B")
@@ -86,6 +90,11 @@ class Resume(NamedTuple):
 
 class Stop(NamedTuple):
     pass
+
+
+class Deny(NamedTuple):
+    seq: int
+    epoch: int
 
 
 class Ready(NamedTuple):
@@ -121,7 +130,7 @@ class Dropped(NamedTuple):
     worker_id: int
 
 
-ToWorker = Task | Grant | Attach | Resume | Stop
+ToWorker = Task | Grant | Attach | Resume | Stop | Deny
 ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped
 
 
@@ -155,6 +164,8 @@ def encode(msg: ToWorker | ToMain) -> bytes:
         return _RESUME.pack(Kind.RESUME, msg.epoch) + pickle.dumps(msg.shared_seed, _PICKLE)
     if isinstance(msg, Stop):
         return _KIND.pack(Kind.STOP)
+    if isinstance(msg, Deny):
+        return _DENY.pack(Kind.DENY, msg.seq, msg.epoch)
     raise TypeError(f"not a protocol message: {msg!r}")
 
 
@@ -190,4 +201,7 @@ def decode(frame: bytes) -> ToWorker | ToMain:
         return Resume(epoch, pickle.loads(memoryview(frame)[_RESUME.size :]))
     if kind == Kind.STOP:
         return Stop()
+    if kind == Kind.DENY:
+        _, seq, epoch = _DENY.unpack_from(frame)
+        return Deny(seq, epoch)
     raise ValueError(f"unknown message kind {kind} in a frame of {len(frame)} bytes")

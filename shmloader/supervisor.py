@@ -143,6 +143,15 @@ class Supervisor:
                 break
         return frames, (self.deaths() if suspect else [])
 
+    def kill(self) -> None:
+        """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
+        could still finish is wanted. :meth:`shutdown` then only closes the pipes."""
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join(KILL_S)
+
     def shutdown(self) -> None:
         """STOP -> join -> terminate -> kill -> close. Idempotent."""
         if self._stopped:

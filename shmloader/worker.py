@@ -114,6 +114,7 @@ class _Worker:
         self.iteration_end = False
         self.latest_epoch = 0
         self.grants: dict[tuple[int, int], SlotRef] = {}  # (epoch, seq) -> slot offered
+        self.denied: set[tuple[int, int]] = set()  # (epoch, seq) whose batch can never fit
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
@@ -170,6 +171,8 @@ class _Worker:
             self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
         elif isinstance(msg, P.Grant):
             self.grants[(msg.epoch, msg.seq)] = msg.ref
+        elif isinstance(msg, P.Deny):
+            self.denied.add((msg.epoch, msg.seq))
         elif isinstance(msg, P.Resume):
             self.latest_epoch = max(self.latest_epoch, msg.epoch)
             for key in [k for k in self.grants if k[0] < msg.epoch]:
@@ -181,7 +184,7 @@ class _Worker:
         frames are waiting, without blocking)."""
         while (epoch, seq) not in self.grants and self.conn.poll(0):
             msg = self.read()
-            if not isinstance(msg, P.Attach | P.Grant):
+            if not isinstance(msg, P.Attach | P.Grant | P.Deny):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq), None)
 
@@ -209,7 +212,7 @@ class _Worker:
                     self._apply_shared_seed(msg.shared_seed)
                 if self.init_error is None:
                     self.make_fetcher()
-            # ATTACH and GRANT were recorded when read.
+            # ATTACH, GRANT and DENY were recorded when read.
 
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's
@@ -231,8 +234,9 @@ class _Worker:
     def run_task(self, task: P.Task) -> None:
         wid = self.cfg.worker_id
         if self.init_error is not None:
-            err, self.init_error = self.init_error, None
-            self.send(P.Failed(task.seq, task.epoch, wid, err))
+            # worker_init_fn (or making the fetcher) failed: every task of this worker fails with
+            # that error (torch raises it once, then an unrelated UnboundLocalError).
+            self.send(P.Failed(task.seq, task.epoch, wid, self.init_error))
             return
         ref = task.ref or self.take_grant(task.epoch, task.seq)
         try:
@@ -257,7 +261,7 @@ class _Worker:
                 self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed))
                 ref = self.wait_grant(task.epoch, task.seq)
                 if ref is None:
-                    return  # the epoch was abandoned or teardown began
+                    return  # denied (can never fit the arena), epoch abandoned, or teardown
                 big = self.slabs[ref.slab_id].slot_buffer(ref.slot)
                 if packed.session.planned:  # collate the same samples again, into the slot
                     with SlotSession(big) as session:
@@ -277,10 +281,13 @@ class _Worker:
         was abandoned) or STOP comes first; those and any tasks read meanwhile are queued for
         :meth:`run`."""
         while (epoch, seq) not in self.grants:
+            if (epoch, seq) in self.denied:
+                self.denied.discard((epoch, seq))
+                return None
             if any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
                 return None
             msg = self.read()
-            if not isinstance(msg, P.Attach | P.Grant):
+            if not isinstance(msg, P.Attach | P.Grant | P.Deny):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq))
 

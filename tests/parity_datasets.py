@@ -156,8 +156,17 @@ class NotImplementedDataset(Dataset):
 class NumpyTypesDataset(Dataset):
     """Sample i: NumPy scalars of every common dtype, then a float64 (2, 3) array."""
 
-    SCALAR_TYPES = (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8,
-                    np.uint8, np.bool_)
+    SCALAR_TYPES = (
+        np.float64,
+        np.float32,
+        np.float16,
+        np.int64,
+        np.int32,
+        np.int16,
+        np.int8,
+        np.uint8,
+        np.bool_,
+    )
 
     def __init__(self, n=6):
         self.n = n

@@ -162,14 +162,22 @@ def _oom_kill(pid: int) -> None:
 
 # name: (how the test strikes the worker at the gate, torch's wording of its death)
 DEATHS: dict[str, tuple[Callable[[Gate, int], None], str]] = {
-    "SIGKILL": (lambda gate, pid: os.kill(pid, signal.SIGKILL),
-                r"DataLoader worker \(pid {pid}\) is killed by signal: Killed\."),
-    "SIGSEGV": (lambda gate, pid: os.kill(pid, signal.SIGSEGV),
-                r"DataLoader worker \(pid {pid}\) is killed by signal: Segmentation fault\."),
-    "os._exit(3)": (lambda gate, pid: gate.exit_worker(),
-                    r"DataLoader worker \(pid\(s\) {pid}\) exited unexpectedly with exit code 3\."),
-    "OOM-kill": (lambda gate, pid: _oom_kill(pid),
-                 r"DataLoader worker \(pid {pid}\) is killed by signal: Killed\."),
+    "SIGKILL": (
+        lambda gate, pid: os.kill(pid, signal.SIGKILL),
+        r"DataLoader worker \(pid {pid}\) is killed by signal: Killed\.",
+    ),
+    "SIGSEGV": (
+        lambda gate, pid: os.kill(pid, signal.SIGSEGV),
+        r"DataLoader worker \(pid {pid}\) is killed by signal: Segmentation fault\.",
+    ),
+    "os._exit(3)": (
+        lambda gate, pid: gate.exit_worker(),
+        r"DataLoader worker \(pid\(s\) {pid}\) exited unexpectedly with exit code 3\.",
+    ),
+    "OOM-kill": (
+        lambda gate, pid: _oom_kill(pid),
+        r"DataLoader worker \(pid {pid}\) is killed by signal: Killed\.",
+    ),
 }
 N = 16
 GATED = 5  # batch 5 at batch size 1 goes to worker 5 % 2 = 1
@@ -201,8 +209,10 @@ def test_a_dead_worker_is_raised_within_a_second_naming_it_and_the_loader_recove
         return at
 
     error, seconds = next_during(it, fault)
-    print(f"\n[detection] {death:12} {'persistent' if persistent else 'fresh':10} "
-          f"{seconds * 1000:7.1f} ms")
+    print(
+        f"\n[detection] {death:12} {'persistent' if persistent else 'fresh':10} "
+        f"{seconds * 1000:7.1f} ms"
+    )
     assert isinstance(error, RuntimeError)
     assert re.search(wording.format(pid=victim), str(error)), str(error)
     assert "shmloader worker 1 of 2" in str(error)
@@ -219,12 +229,6 @@ def test_a_dead_worker_is_raised_within_a_second_naming_it_and_the_loader_recove
     assert slot_states(loader)["writing"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="epoch.ShmDataLoaderIter._fail stops the surviving workers gracefully before it "
-    "raises (Supervisor.shutdown: STOP, then Process.join(JOIN_S=1.0) per worker, then "
-    "terminate), so a survivor busy in __getitem__ delays the error by >= 1 s",
-)
 def test_a_dead_worker_is_raised_within_a_second_while_another_worker_is_busy():
     busy, victim_gate = Gate(), Gate()
     loader = shmloader.DataLoader(
@@ -250,12 +254,6 @@ def test_a_dead_worker_is_raised_within_a_second_while_another_worker_is_busy():
     assert seconds < DEADLINE_S
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="epoch.ShmDataLoaderIter._fail releases the slots of the current epoch's tasks but "
-    "not self._orphans (tasks of an abandoned epoch still being written); their answers never "
-    "come, so those slots stay WRITING in the loader's arena for good",
-)
 def test_a_worker_death_after_a_broken_off_epoch_leaves_no_slot_writing():
     gate = Gate()
     loader = shmloader.DataLoader(
@@ -357,17 +355,7 @@ def test_the_interpreter_exits_cleanly_after_breaking_out_of_a_loop(persistent, 
 @pytest.mark.parametrize(
     "persistent",
     [
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="with the arena now kept by the loader (shmloader.host.ArenaHost), an "
-                "iterator dropped mid-epoch only stops its workers (its weakref.finalize calls "
-                "Supervisor.shutdown): the slots of its tasks in flight are never released, so "
-                "each broken-off epoch leaks prefetch_factor * num_workers slots (WRITING/READY) "
-                "and the arena grows by that much",
-            ),
-        ),
+        pytest.param(False),
         True,
     ],
     ids=["fresh-workers", "persistent-workers"],
@@ -428,8 +416,18 @@ def small_shm_report() -> dict[str, Any]:
     if probe.returncode != 0:
         pytest.skip(f"unshare -m / mount tmpfs not permitted: {probe.stderr.strip()}")
     done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", f'{MOUNT_SMALL} && exec "$@"', "sh",
-         sys.executable, "-m", "tests.fault_datasets", "small-shm"],
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'{MOUNT_SMALL} && exec "$@"',
+            "sh",
+            sys.executable,
+            "-m",
+            "tests.fault_datasets",
+            "small-shm",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -516,13 +514,6 @@ def test_a_batch_beyond_arena_max_bytes_raises_a_capacity_error_with_the_numbers
     assert f"max_bytes={cap:,}" in message and "arena_max_bytes" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="epoch._retry_grants acquires a NEED_SLOT's slot as soon as the request arrives, so "
-    "the ArenaCapacityError escapes _receive before earlier batches are yielded, and the "
-    "request stays in _pending_grants (the worker waits for a GRANT forever): every later "
-    "next() re-raises the same error and no other batch of the epoch is ever delivered",
-)
 def test_a_batch_beyond_the_cap_fails_at_its_turn_and_loading_goes_on():
     loader = shmloader.DataLoader(
         SizedByBatch([1000, 1000, 200_000, 1000, 1000], 4),
@@ -540,14 +531,6 @@ def test_a_batch_beyond_the_cap_fails_at_its_turn_and_loading_goes_on():
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="working-tree epoch.py (uncommitted dispatch change): another slab is added only "
-    "when every worker with unanswered work waits for a slot (_blocked: busy <= waiting); a "
-    "worker busy on a slow later sample does not count as waiting, so while the user holds "
-    "every slot the batch needed next waits for that unrelated sample (here until the gate "
-    "opens: the loader's timeout=3 raises first)",
-)
 def test_holding_every_slot_while_another_worker_is_slow_does_not_stall_the_next_batch():
     gate = Gate()
     loader = shmloader.DataLoader(Gated(N, 6, gate), batch_size=1, num_workers=2, timeout=3)

@@ -181,166 +181,355 @@ MAP_CASES = [
         Case(f"map-sequential-{w}-workers", A, {"batch_size": 4, "num_workers": w})
         for w in (0, 1, 2, 4)
     ),
-    Case("map-sequential-3-workers-prefetch-1", A, dict(batch_size=5, num_workers=3,
-         prefetch_factor=1)),
-    *(
-        Case(f"map-shuffle-generator-{w}-workers", A, {"batch_size": 4, "shuffle": True,
-             "num_workers": w}, generator=True)
-        for w in (0, 2)
-    ),
-    Case("map-shuffle-generator-3-workers-prefetch-4", A,
-         dict(batch_size=3, shuffle=True, num_workers=3, prefetch_factor=4), generator=True),
-    *(
-        Case(f"map-shuffle-global-rng-{w}-workers", A, {"batch_size": 4, "shuffle": True,
-             "num_workers": w})
-        for w in (0, 2)
+    Case(
+        "map-sequential-3-workers-prefetch-1",
+        A,
+        dict(batch_size=5, num_workers=3, prefetch_factor=1),
     ),
     *(
-        Case(f"map-drop-last-{w}-workers", A, {"batch_size": 7, "drop_last": True,
-             "num_workers": w})
+        Case(
+            f"map-shuffle-generator-{w}-workers",
+            A,
+            {"batch_size": 4, "shuffle": True, "num_workers": w},
+            generator=True,
+        )
+        for w in (0, 2)
+    ),
+    Case(
+        "map-shuffle-generator-3-workers-prefetch-4",
+        A,
+        dict(batch_size=3, shuffle=True, num_workers=3, prefetch_factor=4),
+        generator=True,
+    ),
+    *(
+        Case(
+            f"map-shuffle-global-rng-{w}-workers",
+            A,
+            {"batch_size": 4, "shuffle": True, "num_workers": w},
+        )
         for w in (0, 2)
     ),
     *(
-        Case(f"map-batch-size-none-shuffled-{w}-workers", A, {"batch_size": None,
-             "shuffle": True, "num_workers": w}, generator=True)
+        Case(
+            f"map-drop-last-{w}-workers", A, {"batch_size": 7, "drop_last": True, "num_workers": w}
+        )
         for w in (0, 2)
     ),
-    Case("map-custom-sampler-2-workers", A, dict(batch_size=3, num_workers=2),
-         build=lambda: {"sampler": pd.FixedOrderSampler([7, 3, 49, 0, 11, 12, 30, 31, 2, 5])}),
-    Case("map-range-as-sampler-2-workers", A, dict(batch_size=2, num_workers=2,
-         sampler=range(2, 12))),
-    Case("map-random-sampler-with-replacement-2-workers", A, dict(batch_size=6, num_workers=2),
-         build=lambda: {"sampler": RandomSampler(range(50), replacement=True, num_samples=37)}),
-    Case("map-global-rng-sampler-2-workers", A, dict(batch_size=4, num_workers=2),
-         build=lambda: {"sampler": pd.GlobalRNGSampler(30)}),
     *(
-        Case(f"map-variable-batch-sampler-{w}-workers", A, {"num_workers": w},
-             build=lambda: {"batch_sampler": pd.VariableBatchSampler(23)})
+        Case(
+            f"map-batch-size-none-shuffled-{w}-workers",
+            A,
+            {"batch_size": None, "shuffle": True, "num_workers": w},
+            generator=True,
+        )
+        for w in (0, 2)
+    ),
+    Case(
+        "map-custom-sampler-2-workers",
+        A,
+        dict(batch_size=3, num_workers=2),
+        build=lambda: {"sampler": pd.FixedOrderSampler([7, 3, 49, 0, 11, 12, 30, 31, 2, 5])},
+    ),
+    Case(
+        "map-range-as-sampler-2-workers", A, dict(batch_size=2, num_workers=2, sampler=range(2, 12))
+    ),
+    Case(
+        "map-random-sampler-with-replacement-2-workers",
+        A,
+        dict(batch_size=6, num_workers=2),
+        build=lambda: {"sampler": RandomSampler(range(50), replacement=True, num_samples=37)},
+    ),
+    Case(
+        "map-global-rng-sampler-2-workers",
+        A,
+        dict(batch_size=4, num_workers=2),
+        build=lambda: {"sampler": pd.GlobalRNGSampler(30)},
+    ),
+    *(
+        Case(
+            f"map-variable-batch-sampler-{w}-workers",
+            A,
+            {"num_workers": w},
+            build=lambda: {"batch_sampler": pd.VariableBatchSampler(23)},
+        )
         for w in (0, 2)
     ),
     Case("map-batch-sampler-of-tuples-3-workers", A, dict(num_workers=3), build=_uneven_tuples),
-    Case("map-torch-batch-sampler-drop-last-2-workers", A, dict(num_workers=2),
-         build=lambda: {"batch_sampler": BatchSampler(SequentialSampler(range(50)), 8, True)}),
-    Case("map-list-sampler-without-batching-2-workers", lambda: pd.BulkDataset(35),
-         dict(batch_size=None, num_workers=2),
-         build=lambda: {"sampler": pd.BulkIndexSampler(35, 4)}),
-    *(
-        Case(f"nested-samples-{w}-workers", N, {"batch_size": 5, "num_workers": w})
-        for w in (0, 2)
+    Case(
+        "map-torch-batch-sampler-drop-last-2-workers",
+        A,
+        dict(num_workers=2),
+        build=lambda: {"batch_sampler": BatchSampler(SequentialSampler(range(50)), 8, True)},
     ),
+    Case(
+        "map-list-sampler-without-batching-2-workers",
+        lambda: pd.BulkDataset(35),
+        dict(batch_size=None, num_workers=2),
+        build=lambda: {"sampler": pd.BulkIndexSampler(35, 4)},
+    ),
+    *(Case(f"nested-samples-{w}-workers", N, {"batch_size": 5, "num_workers": w}) for w in (0, 2)),
     Case("nested-samples-without-batching-2-workers", N, dict(batch_size=None, num_workers=2)),
     *(
-        Case(f"custom-collate-{w}-workers", A, {"batch_size": 4, "num_workers": w,
-             "collate_fn": pd.tagged_stack_collate})
+        Case(
+            f"custom-collate-{w}-workers",
+            A,
+            {"batch_size": 4, "num_workers": w, "collate_fn": pd.tagged_stack_collate},
+        )
         for w in (0, 2)
     ),
-    Case("pin-memory-without-accelerator-2-workers", A, dict(batch_size=8, num_workers=2,
-         pin_memory=True)),
+    Case(
+        "pin-memory-without-accelerator-2-workers",
+        A,
+        dict(batch_size=8, num_workers=2, pin_memory=True),
+    ),
 ]
 
 RANDOM_CASES = [
     *(
-        Case(f"worker-randomness-{w}-workers", R, {"batch_size": 4, "shuffle": True,
-             "num_workers": w}, generator=True)
+        Case(
+            f"worker-randomness-{w}-workers",
+            R,
+            {"batch_size": 4, "shuffle": True, "num_workers": w},
+            generator=True,
+        )
         for w in (0, 1, 2, 3, 4)
     ),
     Case("worker-randomness-global-rng-2-workers", R, dict(batch_size=3, num_workers=2)),
     Case("worker-randomness-without-batching-3-workers", R, dict(batch_size=None, num_workers=3)),
-    Case("worker-randomness-with-numpy-reseeding-init-fn", R, dict(batch_size=4, num_workers=2,
-         worker_init_fn=pd.reseed_numpy_from_torch)),
-    Case("worker-randomness-with-torch-reseeding-init-fn", R, dict(batch_size=4, num_workers=2,
-         worker_init_fn=pd.reseed_torch_12345)),
-    Case("worker-randomness-over-3-epochs", R, dict(batch_size=4, shuffle=True, num_workers=2),
-         generator=True, epochs=(None, None, None)),
+    Case(
+        "worker-randomness-with-numpy-reseeding-init-fn",
+        R,
+        dict(batch_size=4, num_workers=2, worker_init_fn=pd.reseed_numpy_from_torch),
+    ),
+    Case(
+        "worker-randomness-with-torch-reseeding-init-fn",
+        R,
+        dict(batch_size=4, num_workers=2, worker_init_fn=pd.reseed_torch_12345),
+    ),
+    Case(
+        "worker-randomness-over-3-epochs",
+        R,
+        dict(batch_size=4, shuffle=True, num_workers=2),
+        generator=True,
+        epochs=(None, None, None),
+    ),
 ]
 
 PERSISTENT_AND_PARTIAL_CASES = [
-    Case("persistent-shuffle-3-epochs", A, dict(batch_size=4, shuffle=True, num_workers=2,
-         persistent_workers=True), generator=True, epochs=(None, None, None)),
-    Case("persistent-worker-randomness-3-epochs", R, dict(batch_size=4, shuffle=True,
-         num_workers=3, persistent_workers=True), generator=True, epochs=(None, None, None)),
-    Case("partial-epoch-then-full-epoch-2-workers", A, dict(batch_size=4, shuffle=True,
-         num_workers=2), generator=True, epochs=(3, None)),
-    Case("partial-epoch-global-rng-sampler-prefetch-1", A, dict(batch_size=2, num_workers=2,
-         prefetch_factor=1), build=lambda: {"sampler": pd.GlobalRNGSampler(30)}, epochs=(2, None)),
-    Case("partial-epoch-global-rng-sampler-prefetch-4", A, dict(batch_size=2, num_workers=2,
-         prefetch_factor=4), build=lambda: {"sampler": pd.GlobalRNGSampler(30)}, epochs=(2, None)),
-    Case("persistent-partial-epochs-worker-randomness", R, dict(batch_size=3, num_workers=2,
-         persistent_workers=True), epochs=(2, None, 5, None)),
-    Case("persistent-partial-epochs-global-rng-sampler", A, dict(batch_size=2, num_workers=2,
-         persistent_workers=True), build=lambda: {"sampler": pd.GlobalRNGSampler(24)},
-         epochs=(3, 1, None)),
+    Case(
+        "persistent-shuffle-3-epochs",
+        A,
+        dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True),
+        generator=True,
+        epochs=(None, None, None),
+    ),
+    Case(
+        "persistent-worker-randomness-3-epochs",
+        R,
+        dict(batch_size=4, shuffle=True, num_workers=3, persistent_workers=True),
+        generator=True,
+        epochs=(None, None, None),
+    ),
+    Case(
+        "partial-epoch-then-full-epoch-2-workers",
+        A,
+        dict(batch_size=4, shuffle=True, num_workers=2),
+        generator=True,
+        epochs=(3, None),
+    ),
+    Case(
+        "partial-epoch-global-rng-sampler-prefetch-1",
+        A,
+        dict(batch_size=2, num_workers=2, prefetch_factor=1),
+        build=lambda: {"sampler": pd.GlobalRNGSampler(30)},
+        epochs=(2, None),
+    ),
+    Case(
+        "partial-epoch-global-rng-sampler-prefetch-4",
+        A,
+        dict(batch_size=2, num_workers=2, prefetch_factor=4),
+        build=lambda: {"sampler": pd.GlobalRNGSampler(30)},
+        epochs=(2, None),
+    ),
+    Case(
+        "persistent-partial-epochs-worker-randomness",
+        R,
+        dict(batch_size=3, num_workers=2, persistent_workers=True),
+        epochs=(2, None, 5, None),
+    ),
+    Case(
+        "persistent-partial-epochs-global-rng-sampler",
+        A,
+        dict(batch_size=2, num_workers=2, persistent_workers=True),
+        build=lambda: {"sampler": pd.GlobalRNGSampler(24)},
+        epochs=(3, 1, None),
+    ),
     Case("single-process-partial-epochs", R, dict(batch_size=4, shuffle=True), epochs=(2, None)),
 ]
 
 UNORDERED_CASES = [
     # Only deterministic samples: out of order, which worker fetches which batch depends on timing.
-    Case("out-of-order-shuffle-2-workers", A, dict(batch_size=4, shuffle=True, num_workers=2,
-         in_order=False), generator=True, unordered=True),
-    Case("out-of-order-shuffle-3-workers-2-epochs", A, dict(batch_size=3, shuffle=True,
-         num_workers=3, in_order=False, persistent_workers=True), generator=True,
-         unordered=True, epochs=(None, None)),
+    Case(
+        "out-of-order-shuffle-2-workers",
+        A,
+        dict(batch_size=4, shuffle=True, num_workers=2, in_order=False),
+        generator=True,
+        unordered=True,
+    ),
+    Case(
+        "out-of-order-shuffle-3-workers-2-epochs",
+        A,
+        dict(batch_size=3, shuffle=True, num_workers=3, in_order=False, persistent_workers=True),
+        generator=True,
+        unordered=True,
+        epochs=(None, None),
+    ),
 ]
 
 ITERABLE_CASES = [
     *(
-        Case(f"iterable-sharded-{w}-workers", pd.ShardedRangeIterable, {"batch_size": 4,
-             "num_workers": w})
+        Case(
+            f"iterable-sharded-{w}-workers",
+            pd.ShardedRangeIterable,
+            {"batch_size": 4, "num_workers": w},
+        )
         for w in (0, 1, 2, 3)
     ),
-    Case("iterable-sharded-without-batching-2-workers", pd.ShardedRangeIterable,
-         dict(batch_size=None, num_workers=2)),
-    Case("iterable-sharded-drop-last-3-workers", pd.ShardedRangeIterable,
-         dict(batch_size=4, drop_last=True, num_workers=3)),
-    Case("iterable-worker-randomness-2-workers", lambda: pd.ShardedRangeIterable(30, True),
-         dict(batch_size=4, num_workers=2), generator=True),
-    Case("iterable-persistent-3-epochs", lambda: pd.ShardedRangeIterable(30, True),
-         dict(batch_size=4, num_workers=2, persistent_workers=True), epochs=(None, None, None)),
-    Case("iterable-partial-epochs-persistent", lambda: pd.ShardedRangeIterable(30, True),
-         dict(batch_size=3, num_workers=2, persistent_workers=True), epochs=(2, None)),
-    Case("iterable-custom-collate-2-workers", pd.ShardedRangeIterable,
-         dict(batch_size=4, num_workers=2, collate_fn=pd.tagged_stack_collate)),
-    Case("iterable-uneven-workers", pd.WorkerSpecificIterable, dict(batch_size=7, num_workers=3),
-         unordered=True),
-    Case("iterable-uneven-workers-drop-last", pd.WorkerSpecificIterable,
-         dict(batch_size=7, num_workers=3, drop_last=True), unordered=True),
+    Case(
+        "iterable-sharded-without-batching-2-workers",
+        pd.ShardedRangeIterable,
+        dict(batch_size=None, num_workers=2),
+    ),
+    Case(
+        "iterable-sharded-drop-last-3-workers",
+        pd.ShardedRangeIterable,
+        dict(batch_size=4, drop_last=True, num_workers=3),
+    ),
+    Case(
+        "iterable-worker-randomness-2-workers",
+        lambda: pd.ShardedRangeIterable(30, True),
+        dict(batch_size=4, num_workers=2),
+        generator=True,
+    ),
+    Case(
+        "iterable-persistent-3-epochs",
+        lambda: pd.ShardedRangeIterable(30, True),
+        dict(batch_size=4, num_workers=2, persistent_workers=True),
+        epochs=(None, None, None),
+    ),
+    Case(
+        "iterable-partial-epochs-persistent",
+        lambda: pd.ShardedRangeIterable(30, True),
+        dict(batch_size=3, num_workers=2, persistent_workers=True),
+        epochs=(2, None),
+    ),
+    Case(
+        "iterable-custom-collate-2-workers",
+        pd.ShardedRangeIterable,
+        dict(batch_size=4, num_workers=2, collate_fn=pd.tagged_stack_collate),
+    ),
+    Case(
+        "iterable-uneven-workers",
+        pd.WorkerSpecificIterable,
+        dict(batch_size=7, num_workers=3),
+        unordered=True,
+    ),
+    Case(
+        "iterable-uneven-workers-drop-last",
+        pd.WorkerSpecificIterable,
+        dict(batch_size=7, num_workers=3, drop_last=True),
+        unordered=True,
+    ),
     Case("iterable-without-len", pd.UnsizedIterable, dict(batch_size=2, num_workers=1)),
-    Case("iterable-len-warning-single-process", lambda: pd.CountingIterable(10),
-         dict(batch_size=None)),
-    Case("iterable-len-warning-duplicating-workers", lambda: pd.CountingIterable(10),
-         dict(batch_size=None, num_workers=2)),
-    Case("iterable-len-warning-batched", lambda: pd.CountingIterable(3),
-         dict(batch_size=2, num_workers=2)),
-    Case("iterable-len-not-called-means-no-warning", lambda: pd.CountingIterable(4),
-         dict(batch_size=None, num_workers=2), call_len=False),
+    Case(
+        "iterable-len-warning-single-process",
+        lambda: pd.CountingIterable(10),
+        dict(batch_size=None),
+    ),
+    Case(
+        "iterable-len-warning-duplicating-workers",
+        lambda: pd.CountingIterable(10),
+        dict(batch_size=None, num_workers=2),
+    ),
+    Case(
+        "iterable-len-warning-batched",
+        lambda: pd.CountingIterable(3),
+        dict(batch_size=2, num_workers=2),
+    ),
+    Case(
+        "iterable-len-not-called-means-no-warning",
+        lambda: pd.CountingIterable(4),
+        dict(batch_size=None, num_workers=2),
+        call_len=False,
+    ),
 ]
 
 ERROR_CASES = [
-    Case(f"{err.__name__}-in-getitem-{w}-workers", lambda err=err: pd.FailingDataset(
-         error_type=err), {"batch_size": 2, "num_workers": w}, errors=(err,))
+    Case(
+        f"{err.__name__}-in-getitem-{w}-workers",
+        lambda err=err: pd.FailingDataset(error_type=err),
+        {"batch_size": 2, "num_workers": w},
+        errors=(err,),
+    )
     for err in (ValueError, KeyError, pd.CustomDatasetError)
     for w in (0, 2)
 ] + [
-    Case("errors-in-getitem-persistent-2-epochs", pd.FailingDataset, dict(batch_size=3,
-         num_workers=2, persistent_workers=True), errors=(ValueError,), epochs=(None, None)),
-    Case("errors-in-getitem-without-batching-3-workers", pd.FailingDataset,
-         dict(batch_size=None, num_workers=3), errors=(ValueError,)),
-    Case("error-in-worker-init-fn", A, dict(batch_size=10, num_workers=2,
-         worker_init_fn=pd.failing_worker_init_fn), errors=(RuntimeError,), epochs=(1,)),
+    Case(
+        "errors-in-getitem-persistent-2-epochs",
+        pd.FailingDataset,
+        dict(batch_size=3, num_workers=2, persistent_workers=True),
+        errors=(ValueError,),
+        epochs=(None, None),
+    ),
+    Case(
+        "errors-in-getitem-without-batching-3-workers",
+        pd.FailingDataset,
+        dict(batch_size=None, num_workers=3),
+        errors=(ValueError,),
+    ),
+    Case(
+        "error-in-worker-init-fn",
+        A,
+        dict(batch_size=10, num_workers=2, worker_init_fn=pd.failing_worker_init_fn),
+        errors=(RuntimeError,),
+        epochs=(1,),
+    ),
     *(
-        Case(f"error-in-iterable-iter-{w}-workers", pd.FailingIterable, {"num_workers": w},
-             call_len=False, errors=(RuntimeError,), epochs=(w,))
+        Case(
+            f"error-in-iterable-iter-{w}-workers",
+            pd.FailingIterable,
+            {"num_workers": w},
+            call_len=False,
+            errors=(RuntimeError,),
+            epochs=(w,),
+        )
         for w in (0, 2)
     ),
 ]
 
 START_METHOD_CASES = [
-    Case("spawn-worker-randomness-shuffled", lambda: pd.RandomValuesDataset(12),
-         dict(batch_size=3, shuffle=True, num_workers=2, multiprocessing_context="spawn",
-              worker_init_fn=pd.reseed_numpy_from_torch), generator=True),
-    Case("forkserver-iterable-custom-collate", lambda: pd.ShardedRangeIterable(12),
-         dict(batch_size=3, num_workers=1, multiprocessing_context="forkserver",
-              collate_fn=pd.tagged_stack_collate)),
+    Case(
+        "spawn-worker-randomness-shuffled",
+        lambda: pd.RandomValuesDataset(12),
+        dict(
+            batch_size=3,
+            shuffle=True,
+            num_workers=2,
+            multiprocessing_context="spawn",
+            worker_init_fn=pd.reseed_numpy_from_torch,
+        ),
+        generator=True,
+    ),
+    Case(
+        "forkserver-iterable-custom-collate",
+        lambda: pd.ShardedRangeIterable(12),
+        dict(
+            batch_size=3,
+            num_workers=1,
+            multiprocessing_context="forkserver",
+            collate_fn=pd.tagged_stack_collate,
+        ),
+    ),
 ]
 
 
@@ -397,8 +586,10 @@ INVALID_ARGUMENTS = {
     "unknown-start-method": (_MAP, dict(num_workers=1, multiprocessing_context="bad")),
     "context-of-wrong-type": (_MAP, dict(num_workers=1, multiprocessing_context=object())),
     "sampler-with-shuffle": (_MAP, dict(batch_size=11, sampler=_SAMPLER, shuffle=True)),
-    "batch-sampler-sampler-and-shuffle": (_MAP, dict(batch_sampler=_BATCH_SAMPLER,
-                                                     sampler=_SAMPLER, shuffle=True)),
+    "batch-sampler-sampler-and-shuffle": (
+        _MAP,
+        dict(batch_sampler=_BATCH_SAMPLER, sampler=_SAMPLER, shuffle=True),
+    ),
     "batch-sampler-with-batch-size": (_MAP, dict(batch_size=11, batch_sampler=_BATCH_SAMPLER)),
     "batch-sampler-with-shuffle": (_MAP, dict(shuffle=True, batch_sampler=_BATCH_SAMPLER)),
     "batch-sampler-with-drop-last": (_MAP, dict(drop_last=True, batch_sampler=_BATCH_SAMPLER)),
@@ -440,11 +631,17 @@ def test_reassigning_a_frozen_attribute_raises_torchs_value_error(attr, num_work
 
 def test_len_of_every_loader_shape_matches_torch():
     shapes = [
-        (_MAP, {}), (_MAP, dict(batch_size=5)), (_MAP, dict(batch_size=5, drop_last=True)),
-        (_MAP, dict(batch_size=None)), (_MAP, dict(batch_sampler=_BATCH_SAMPLER)),
-        (_MAP, dict(sampler=range(3, 10), batch_size=2)), (_ITER, dict(batch_size=5)),
-        (_ITER, dict(batch_size=5, drop_last=True)), (_ITER, dict(batch_size=None)),
-        (_MAP, dict(batch_size=5, num_workers=2)), (_ITER, dict(batch_size=5, num_workers=2)),
+        (_MAP, {}),
+        (_MAP, dict(batch_size=5)),
+        (_MAP, dict(batch_size=5, drop_last=True)),
+        (_MAP, dict(batch_size=None)),
+        (_MAP, dict(batch_sampler=_BATCH_SAMPLER)),
+        (_MAP, dict(sampler=range(3, 10), batch_size=2)),
+        (_ITER, dict(batch_size=5)),
+        (_ITER, dict(batch_size=5, drop_last=True)),
+        (_ITER, dict(batch_size=None)),
+        (_MAP, dict(batch_size=5, num_workers=2)),
+        (_ITER, dict(batch_size=5, num_workers=2)),
         (pd.UnsizedIterable(), dict(batch_size=2)),
     ]
     for dataset, kwargs in shapes:

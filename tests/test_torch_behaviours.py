@@ -62,27 +62,37 @@ def worker_children():
 @pytest.mark.parametrize(
     ("batch_size", "num_workers", "prefetch_factor"),
     [(None, 2, None), (1, 2, None), (2, 4, 3), (3, 2, 1)],
-    ids=["no-batching-2-workers", "batch-1-2-workers", "batch-2-4-workers-prefetch-3",
-         "batch-3-2-workers-prefetch-1"],
+    ids=[
+        "no-batching-2-workers",
+        "batch-1-2-workers",
+        "batch-2-4-workers-prefetch-3",
+        "batch-3-2-workers-prefetch-1",
+    ],
 )
 def test_sequential_batches_hold_consecutive_samples(batch_size, num_workers, prefetch_factor):
-    loader = make(TENSORS, batch_size=batch_size, num_workers=num_workers,
-                  prefetch_factor=prefetch_factor)
+    loader = make(
+        TENSORS, batch_size=batch_size, num_workers=num_workers, prefetch_factor=prefetch_factor
+    )
     count = 0
     for i, (x, y) in enumerate(loader):
         if batch_size is None:
             assert torch.equal(x, DATA[i]) and torch.equal(y, LABELS[i])
         else:
-            assert torch.equal(x, DATA[i * batch_size:(i + 1) * batch_size])
-            assert torch.equal(y, LABELS[i * batch_size:(i + 1) * batch_size])
+            assert torch.equal(x, DATA[i * batch_size : (i + 1) * batch_size])
+            assert torch.equal(y, LABELS[i * batch_size : (i + 1) * batch_size])
         count += 1
     assert count == len(loader) == (40 if batch_size is None else math.ceil(40 / batch_size))
 
 
 @pytest.mark.parametrize("batch_size", [None, 1, 3], ids=lambda b: f"batch-{b}")
 def test_shuffled_epoch_yields_every_sample_exactly_once(batch_size):
-    loader = make(pd.ArangeDataset(50), batch_size=batch_size, shuffle=True, num_workers=2,
-                  generator=torch.Generator().manual_seed(7))
+    loader = make(
+        pd.ArangeDataset(50),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=2,
+        generator=torch.Generator().manual_seed(7),
+    )
     seen = []
     for batch in loader:
         ids = ids_of(batch)
@@ -109,8 +119,9 @@ def test_plain_range_sampler_is_followed_and_sets_len():
 
 
 def test_sampler_of_index_lists_without_batching_fetches_whole_lists():
-    loader = make(pd.BulkDataset(35), batch_size=None, num_workers=2,
-                  sampler=pd.BulkIndexSampler(35, 4))
+    loader = make(
+        pd.BulkDataset(35), batch_size=None, num_workers=2, sampler=pd.BulkIndexSampler(35, 4)
+    )
     batches = list(loader)
     assert [len(b) for b in batches] == [4] * 8 + [3]
     assert sorted(torch.cat(batches).tolist()) == list(range(35))
@@ -136,8 +147,8 @@ def test_two_loaders_can_be_iterated_interleaved():
     first = iter(make(TENSORS, batch_size=2, num_workers=1))
     second = iter(make(TENSORS, batch_size=4, num_workers=2))
     for i in range(3):
-        assert torch.equal(next(first)[0], DATA[2 * i:2 * i + 2])
-        assert torch.equal(next(second)[0], DATA[4 * i:4 * i + 4])
+        assert torch.equal(next(first)[0], DATA[2 * i : 2 * i + 2])
+        assert torch.equal(next(second)[0], DATA[4 * i : 4 * i + 4])
 
 
 def test_batches_are_dealt_round_robin_to_workers():
@@ -168,8 +179,9 @@ def test_each_worker_gets_its_own_seed_base_plus_id():
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_worker_seeds_change_per_epoch_unless_workers_persist(persistent):
-    loader = make(pd.SeedReportingDataset(4), batch_size=1, num_workers=2,
-                  persistent_workers=persistent)
+    loader = make(
+        pd.SeedReportingDataset(4), batch_size=1, num_workers=2, persistent_workers=persistent
+    )
     first, second = _seeds(loader), _seeds(loader)
     assert len(first) == 2
     assert (first == second) if persistent else not (first & second)
@@ -178,16 +190,21 @@ def test_worker_seeds_change_per_epoch_unless_workers_persist(persistent):
 def test_worker_seeds_repeat_with_an_identically_seeded_generator():
     def seeds(generator_seed):
         generator = torch.Generator().manual_seed(generator_seed)
-        return _seeds(make(pd.SeedReportingDataset(4), batch_size=2, num_workers=2,
-                           generator=generator))
+        return _seeds(
+            make(pd.SeedReportingDataset(4), batch_size=2, num_workers=2, generator=generator)
+        )
 
     assert seeds(42) == seeds(42)
     assert seeds(42) != seeds(43)
 
 
 def test_worker_init_fn_can_reseed_each_worker():
-    loader = make(pd.SeedReportingDataset(4), batch_size=2, num_workers=2,
-                  worker_init_fn=pd.reseed_torch_12345)
+    loader = make(
+        pd.SeedReportingDataset(4),
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=pd.reseed_torch_12345,
+    )
     assert {initial for _, initial, _ in _seeds(loader)} == {12345}
 
 
@@ -212,8 +229,9 @@ def test_get_worker_info_describes_the_worker_and_its_dataset_copy():
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_worker_processes_are_reused_across_epochs_only_when_persistent(persistent):
-    loader = make(pd.WorkerInfoProbeDataset(4), batch_size=None, num_workers=2,
-                  persistent_workers=persistent)
+    loader = make(
+        pd.WorkerInfoProbeDataset(4), batch_size=None, num_workers=2, persistent_workers=persistent
+    )
     first, second = ({s["pid"] for s in loader} for _ in range(2))
     assert len(first) == 2
     assert (first == second) if persistent else not (first & second)
@@ -231,11 +249,18 @@ def test_persistent_workers_keep_the_dataset_they_started_with(persistent):
 # ---------------------------------------------------------------------------- iterable datasets
 
 
-@pytest.mark.parametrize(("num_workers", "prefetch_factor"), [(2, 4), (3, 2)],
-                         ids=["2-workers-prefetch-4", "3-workers-prefetch-2"])
+@pytest.mark.parametrize(
+    ("num_workers", "prefetch_factor"),
+    [(2, 4), (3, 2)],
+    ids=["2-workers-prefetch-4", "3-workers-prefetch-2"],
+)
 def test_iterable_dataset_sharded_by_worker_info_has_no_duplicates(num_workers, prefetch_factor):
-    loader = make(pd.ShardedRangeIterable(50), batch_size=4, num_workers=num_workers,
-                  prefetch_factor=prefetch_factor)
+    loader = make(
+        pd.ShardedRangeIterable(50),
+        batch_size=4,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+    )
     assert len(loader) == 13
     ids = [i for batch in loader for i in ids_of(batch)]
     assert Counter(ids) == Counter(range(50))
@@ -243,13 +268,16 @@ def test_iterable_dataset_sharded_by_worker_info_has_no_duplicates(num_workers, 
 
 @pytest.mark.parametrize(
     ("drop_last", "expected"),
-    [(False, {tuple(range(4)), tuple(range(7)), tuple(range(7, 14)), tuple(range(14, 20))}),
-     (True, {tuple(range(7)), tuple(range(7, 14))})],
+    [
+        (False, {tuple(range(4)), tuple(range(7)), tuple(range(7, 14)), tuple(range(14, 20))}),
+        (True, {tuple(range(7)), tuple(range(7, 14))}),
+    ],
     ids=["keep-last", "drop-last"],
 )
 def test_iterable_dataset_batches_and_drops_per_worker(drop_last, expected):
-    loader = make(pd.WorkerSpecificIterable((0, 4, 20)), batch_size=7, num_workers=3,
-                  drop_last=drop_last)
+    loader = make(
+        pd.WorkerSpecificIterable((0, 4, 20)), batch_size=7, num_workers=3, drop_last=drop_last
+    )
     batches = [tuple(b.tolist()) for b in loader]
     assert len(batches) == len(expected) and set(batches) == expected
 
@@ -263,10 +291,20 @@ def test_iterable_with_persistent_workers_round_robins_every_epoch():
 
 @pytest.mark.parametrize("num_workers", [0, 2], ids=lambda w: f"{w}-workers")
 def test_iterable_len_rounds_by_batch_size_and_drop_last(num_workers):
-    for batch_size, drop_last, expected in [(1, False, 10), (1, True, 10), (2, False, 5),
-                                            (2, True, 5), (3, False, 4), (3, True, 3)]:
-        loader = make(pd.CountingIterable(10), batch_size=batch_size, drop_last=drop_last,
-                      num_workers=num_workers)
+    for batch_size, drop_last, expected in [
+        (1, False, 10),
+        (1, True, 10),
+        (2, False, 5),
+        (2, True, 5),
+        (3, False, 4),
+        (3, True, 3),
+    ]:
+        loader = make(
+            pd.CountingIterable(10),
+            batch_size=batch_size,
+            drop_last=drop_last,
+            num_workers=num_workers,
+        )
         assert len(loader) == expected, (batch_size, drop_last)
 
 
@@ -280,8 +318,11 @@ def test_len_warning_waits_for_len_and_for_the_length_to_be_exceeded(recwarn):
         next(it)
     assert not [w for w in recwarn if "samples have been fetched" in str(w.message)]
     for _ in range(3):
-        with pytest.warns(UserWarning, match=r"but [0-9]+ samples have been fetched\. For "
-                          "multiprocessing data-loading, this"):
+        with pytest.warns(
+            UserWarning,
+            match=r"but [0-9]+ samples have been fetched\. For "
+            "multiprocessing data-loading, this",
+        ):
             next(it)
 
 
@@ -340,7 +381,7 @@ def test_persistent_workers_restart_cleanly_after_partial_epochs():
     for take in (3, None, 1, None):
         got = 0
         for i, (x, _) in enumerate(loader):
-            assert torch.equal(x, DATA[4 * i:4 * i + 4])
+            assert torch.equal(x, DATA[4 * i : 4 * i + 4])
             got += 1
             if got == take:
                 break
@@ -352,8 +393,17 @@ def test_persistent_workers_restart_cleanly_after_partial_epochs():
 
 def test_numpy_values_collate_to_matching_tensor_types():
     batch = next(iter(make(pd.NumpyTypesDataset(6), batch_size=2, num_workers=2)))
-    expected = [torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
-                torch.int16, torch.int8, torch.uint8, torch.bool]
+    expected = [
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    ]
     assert [t.dtype for t in batch[:-1]] == expected
     assert batch[-1].dtype == torch.float64 and batch[-1].shape == (2, 2, 3)
 
@@ -395,8 +445,7 @@ def test_excessive_worker_count_warns_at_construction():
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_arena_slots_are_all_free_after_three_epochs_of_dropped_batches(persistent):
     # SHMLOADER-SPECIFIC: assumes loader.stats() has fields slots_free and slots_total.
-    loader = make(pd.ArangeDataset(50), batch_size=4, num_workers=2,
-                  persistent_workers=persistent)
+    loader = make(pd.ArangeDataset(50), batch_size=4, num_workers=2, persistent_workers=persistent)
     for _ in range(3):
         for batch in loader:
             del batch

@@ -20,6 +20,7 @@ DESC = Descriptor(REF, (ArraySpec(0, 8, (4, 3)), ArraySpec(64, 6, ())), 128, 33)
         P.Resume(2, None),
         P.Resume(3, 12345),
         P.Stop(),
+        P.Deny(4, 1),
         P.Ready(11, 2, 1, DESC),
         P.NeedSlot(12, 0, 1, 1 << 33),
         P.Exhausted(13, 1, 0),

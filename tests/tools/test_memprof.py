@@ -21,8 +21,14 @@ RUN_S = 120  # a bound on one CLI run; a quick run takes a few seconds
 
 
 def _memprof(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tools.memprof", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=RUN_S, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "tools.memprof", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+        check=False,
+    )
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -31,8 +37,21 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 
 def test_built_in_shmloader_job_writes_samples_shm_arena_and_summary(tmp_path):
-    done = _memprof("--workload", "tabular", "--loader", "shmloader", "--batches", "50",
-                    "--quick", "--interval", "0.02", "--live", "--no-plot", "--out", str(tmp_path))
+    done = _memprof(
+        "--workload",
+        "tabular",
+        "--loader",
+        "shmloader",
+        "--batches",
+        "50",
+        "--quick",
+        "--interval",
+        "0.02",
+        "--live",
+        "--no-plot",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr
     samples = _rows(tmp_path / "samples.csv")
     roles = {r["role"] for r in samples}
@@ -61,8 +80,17 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_command_after_double_dash_is_followed_with_its_child_and_its_exit_status(tmp_path):
-    done = _memprof("--interval", "0.02", "--no-plot", "--out", str(tmp_path),
-                    "--", sys.executable, "-c", SCRIPT)
+    done = _memprof(
+        "--interval",
+        "0.02",
+        "--no-plot",
+        "--out",
+        str(tmp_path),
+        "--",
+        sys.executable,
+        "-c",
+        SCRIPT,
+    )
     assert done.returncode == 3, done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     by_role = {p["role"]: p for p in summary["processes"]}
@@ -73,8 +101,17 @@ def test_a_command_after_double_dash_is_followed_with_its_child_and_its_exit_sta
 
 
 def test_compare_runs_torch_then_shmloader_and_prints_the_ratio(tmp_path):
-    done = _memprof("--workload", "tabular", "--compare", "--quick", "--batches", "20",
-                    "--no-plot", "--out", str(tmp_path))
+    done = _memprof(
+        "--workload",
+        "tabular",
+        "--compare",
+        "--quick",
+        "--batches",
+        "20",
+        "--no-plot",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / "summary.json").read_text())
     runs = result["runs"]
@@ -109,10 +146,12 @@ def _recording(ticks: list[tuple[list[ProcSample], int]]) -> Recording:
 
 
 def test_peak_total_pss_is_the_largest_sum_over_one_tick_not_the_sum_of_peaks():
-    rec = _recording([
-        ([_sample(0.0, 10, "main", 100), _sample(0.0, 11, "child", 50)], 0),
-        ([_sample(0.1, 10, "main", 40), _sample(0.1, 11, "child", 90)], 0),
-    ])
+    rec = _recording(
+        [
+            ([_sample(0.0, 10, "main", 100), _sample(0.0, 11, "child", 50)], 0),
+            ([_sample(0.1, 10, "main", 40), _sample(0.1, 11, "child", 90)], 0),
+        ]
+    )
     s = rec.summary()
     assert s["peak_total_pss"] == 150 and s["peak_total_pss_t"] == 0.0
     assert {p["pid"]: p["peak_pss"] for p in s["processes"]} == {10: 100, 11: 90}
@@ -120,10 +159,15 @@ def test_peak_total_pss_is_the_largest_sum_over_one_tick_not_the_sum_of_peaks():
 
 def test_footprint_counts_shared_memory_once_from_dev_shm_when_it_grew():
     # Two processes each claim 60 of shmem (read a moment apart); /dev/shm grew by 80 only.
-    rec = _recording([
-        ([_sample(0.0, 10, "main", 10)], 1000),
-        ([_sample(0.1, 10, "main", 100, shmem=60), _sample(0.1, 11, "child", 70, shmem=60)], 1080),
-    ])
+    rec = _recording(
+        [
+            ([_sample(0.0, 10, "main", 10)], 1000),
+            (
+                [_sample(0.1, 10, "main", 100, shmem=60), _sample(0.1, 11, "child", 70, shmem=60)],
+                1080,
+            ),
+        ]
+    )
     s = rec.summary()
     assert s["peak_total_pss"] == 170
     assert s["peak_footprint"] == (100 - 60) + (70 - 60) + 80
@@ -132,8 +176,14 @@ def test_footprint_counts_shared_memory_once_from_dev_shm_when_it_grew():
 
 def test_live_frame_shows_slots_by_state_and_each_process():
     rows = [_sample(1.0, 10, "main", 3 << 20), _sample(1.0, 11, "worker0", 2 << 20)]
-    arena = {"backend": "posix", "slots_total": 6, "slots_free": 4, "slots_writing": 1,
-             "slots_lent": 1, "bytes_reserved": 6 << 20}
+    arena = {
+        "backend": "posix",
+        "slots_total": 6,
+        "slots_free": 4,
+        "slots_writing": 1,
+        "slots_lent": 1,
+        "bytes_reserved": 6 << 20,
+    }
     lines = frame(1.0, rows, ShmUsage(6 << 20, 0), arena, "job")
     text = "\n".join(lines)
     assert "free 4 | writing 1 | ready 0 | lent 1" in text

@@ -72,7 +72,11 @@ def test_parse_stat_survives_spaces_and_parentheses_in_the_command_name():
     fields = " ".join(str(n) for n in range(4, 23))  # fields 4 (ppid) .. 22 (start time)
     stat = parse_stat(f"4242 (my (odd) name) S {fields}\n")
     assert (stat.pid, stat.comm, stat.state, stat.ppid, stat.start_ticks) == (
-        4242, "my (odd) name", "S", 4, 22
+        4242,
+        "my (odd) name",
+        "S",
+        4,
+        22,
     )
 
 
