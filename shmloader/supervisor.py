@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pickle
 import select
 import signal
@@ -57,15 +58,21 @@ class Supervisor:
         self._poll: select.poll | None = None
         self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
         try:
+            forked = ctx.get_start_method() == "fork"
             for cfg in configs:
                 parent, child = ctx.Pipe(duplex=True)
+                self.conns.append(parent)
+                if forked:
+                    # A forked worker inherits the main process's ends of every pipe made so
+                    # far, its own included; it closes them, so it sees EOF when the main
+                    # process goes and holds no other worker's pipe open.
+                    cfg = dataclasses.replace(cfg, close_fds=tuple(c.fileno() for c in self.conns))
                 proc = ctx.Process(
                     target=worker_main,
                     args=(cfg, child),
                     name=f"shmloader-worker-{cfg.worker_id}",
                     daemon=True,
                 )
-                self.conns.append(parent)
                 try:
                     proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -64,6 +65,7 @@ class WorkerConfig:
     main_pid: int
     shared_seed: int | None = None
     slabs: tuple[SlabSpec, ...] = field(default_factory=tuple)
+    close_fds: tuple[int, ...] = ()  # inherited main-process pipe ends (fork only)
 
 
 class _KeepSamples:
@@ -77,6 +79,14 @@ class _KeepSamples:
     def __call__(self, samples: Any) -> Any:
         self.samples = samples
         return self.fn(samples)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _exit_when_main_exits(main_pid: int) -> None:
@@ -168,7 +178,12 @@ class _Worker:
         except (EOFError, OSError):
             return P.Stop()
         if isinstance(msg, P.Attach):
-            self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+            try:
+                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+            except OSError:
+                if not _alive(self.cfg.main_pid):
+                    return P.Stop()  # the main process is gone: nothing left to load for
+                raise
         elif isinstance(msg, P.Grant):
             self.grants[(msg.epoch, msg.seq)] = msg.ref
         elif isinstance(msg, P.Deny):
@@ -299,6 +314,9 @@ class _Worker:
 
 def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
     """Entry point of a worker process."""
+    for fd in cfg.close_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(
         target=_exit_when_main_exits, args=(cfg.main_pid,), name="shmloader-watchdog", daemon=True

@@ -176,3 +176,17 @@ def test_batches_are_recorded_by_the_torch_profiler_when_it_runs():
     names = [e.name for e in prof.events()]
     # one range per batch, and one for the call that ends the epoch (as torch records)
     assert names.count("enumerate(DataLoader)#ShmDataLoaderIter.__next__") == n + 1
+
+
+def test_forked_workers_do_not_hold_each_others_pipes():
+    loader = shmloader.DataLoader(
+        Squares(32), batch_size=4, num_workers=3, multiprocessing_context="fork"
+    )
+    it = iter(loader)
+    next(it)
+    sockets = []
+    for pid in loader.stats().worker_pids:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        sockets.append(sum(link.startswith("socket:") for link in links))
+    del it
+    assert sockets == [1, 1, 1], f"pipe ends (sockets) held per worker: {sockets}"
