@@ -5,17 +5,9 @@ import pytest
 import torch
 
 import shmloader
-from arena import Arena
 from shmloader.collate import SlotSession, slot_default_collate
 
 Point = collections.namedtuple("Point", ["x", "y"])
-
-
-@pytest.fixture
-def arena():
-    a = Arena(max_bytes=1 << 24, slots_per_slab=2)
-    yield a
-    a.close()
 
 
 def test_empty_outside_a_worker_is_torch_empty():

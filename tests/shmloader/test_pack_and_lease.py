@@ -2,22 +2,14 @@ import collections
 import gc
 
 import numpy as np
-import pytest
 import torch
 
-from arena import Arena, SlotState
+from arena import SlotState
 from shmloader.collate import SlotSession, slot_default_collate
 from shmloader.lease import Leases
 from shmloader.pack import Packed
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
-
-
-@pytest.fixture
-def arena():
-    a = Arena(max_bytes=1 << 26, slots_per_slab=4)
-    yield a
-    a.close()
 
 
 def _roundtrip(arena, batch, nbytes=1 << 16):

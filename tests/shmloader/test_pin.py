@@ -1,17 +1,9 @@
 import pytest
 import torch
 
-from arena import Arena
 from shmloader.pin import Pinner
 
 from .fakes import FakeRegistrar
-
-
-@pytest.fixture
-def arena():
-    a = Arena(max_bytes=1 << 26, slots_per_slab=2)
-    yield a
-    a.close()
 
 
 def _new_slab(arena, nbytes):
