@@ -121,6 +121,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         # Dropped, exhausted or failed: stop the workers, then give back every slot in flight.
         self._finalizer = weakref.finalize(self, _teardown, self._sup, self._books, self._arena)
         self._host.worker_pids = tuple(self._sup.pids)
+        if self._host.export is not None:
+            self._host.export.write({"kind": "workers", "pids": list(self._sup.pids)})
         self._epoch = 0
         self._known_slabs: set[int] = set()
         self.failure: str | None = None
@@ -418,6 +420,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                     self._arena.release(r)
             answer.error.reraise()
         batch = self._leases.open(cast(P.Ready, answer).desc)
+        if self._host.export is not None:
+            self._host.export.tick(self._host.snapshot)
         return self._pinner.pin(batch)
 
     def _fail(self, deaths: list[WorkerDeath]) -> None:

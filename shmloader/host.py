@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 
 from arena import Arena, Backend
+from shmloader.export import StatsExport
 from shmloader.lease import Leases
 from shmloader.pin import Pinner
 from shmloader.stats import LoaderStats
@@ -40,6 +41,7 @@ class ArenaHost:
         self.pinner = Pinner(pin, pin_device)
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
+        self.export = StatsExport.from_environment()  # None unless a profiler asked
         self._closer = weakref.finalize(self, _close, self.pinner, self.arena)
 
     def snapshot(self) -> LoaderStats:

@@ -39,3 +39,28 @@ class LoaderStats:
     @property
     def high_water_bytes(self) -> int:
         return 0 if self.arena is None else self.arena.high_water_bytes
+
+    def as_row(self) -> dict[str, int | str]:
+        """One flat row (for CSV and JSON lines): every arena field, slots and bytes per state,
+        batches held and pinned bytes. Empty before the first multi-worker epoch."""
+        a = self.arena
+        if a is None:
+            return {}
+        row: dict[str, int | str] = {
+            "backend": a.backend,
+            "bytes_reserved": a.bytes_reserved,
+            "bytes_in_use": a.bytes_in_use,
+            "max_bytes": a.max_bytes,
+            "high_water_bytes": a.high_water_bytes,
+            "growth_events": a.growth_events,
+            "slabs": a.slabs,
+            "slots_total": a.slots_total,
+            "slot_sizes": " ".join(str(s) for s in a.slot_sizes),
+        }
+        for state, n in a.slots_by_state.items():
+            row[f"slots_{state}"] = n
+        for state, n in a.bytes_by_state.items():
+            row[f"bytes_{state}"] = n
+        row["batches_held"] = self.batches_held
+        row["pinned_bytes"] = self.pinned_bytes
+        return row

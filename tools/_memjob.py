@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -163,20 +163,7 @@ class Reporter:
 
 def arena_fields(loader: Any) -> dict[str, Any] | None:
     """``loader.stats()`` flattened to one row, or None before the loader has an arena."""
-    stats = loader.stats()
-    if stats.arena is None:
-        return None
-    arena = asdict(stats.arena)
-    row: dict[str, Any] = {k: v for k, v in arena.items() if not isinstance(v, dict | tuple)}
-    row["bytes_in_use"] = stats.arena.bytes_in_use
-    row["slot_sizes"] = " ".join(str(s) for s in stats.arena.slot_sizes)
-    for state, n in stats.arena.slots_by_state.items():
-        row[f"slots_{state}"] = n
-    for state, n in stats.arena.bytes_by_state.items():
-        row[f"bytes_{state}"] = n
-    row["batches_held"] = stats.batches_held
-    row["pinned_bytes"] = stats.pinned_bytes
-    return row
+    return loader.stats().as_row() or None
 
 
 def _stats_loop(loader: Any, report: Reporter, interval: float, stop: threading.Event) -> None:

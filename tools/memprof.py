@@ -47,6 +47,10 @@ REPO = Path(__file__).resolve().parent.parent
 # small and starts fast).
 JOB_WORKLOADS = ("image", "tabular", "cow", "cow-numpy")
 LOADERS = ("torch", "shmloader")
+# The environment shmloader reads to export loader stats (shmloader/export.py; not imported here,
+# so the profiler itself never imports torch).
+STATS_FD_ENV = "SHMLOADER_STATS_FD"
+STATS_INTERVAL_ENV = "SHMLOADER_STATS_INTERVAL"
 STOP_S = 10.0  # after an interrupt: how long the job gets to exit before SIGTERM, then SIGKILL
 
 
@@ -123,17 +127,21 @@ def _sample(tree: ProcessTree, rec: Recording, now: float, t: float) -> list[Pro
 def profile(cmd: list[str], *, args: argparse.Namespace, label: str, out: Path,
             report: tuple[int, int] | None = None) -> tuple[dict[str, Any], bool]:
     """Run ``cmd`` and sample its tree until it is gone (module docstring); write the files into
-    ``out``. ``report`` is the (read, write) pipe of a built-in job. Returns the summary and
-    whether memprof was interrupted."""
+    ``out``. ``report`` is the (read, write) pipe of a built-in job; a user's command gets one
+    too, named by SHMLOADER_STATS_FD, over which its shmloader loaders export their stats.
+    Returns the summary and whether memprof was interrupted."""
     out.mkdir(parents=True, exist_ok=True)
     view = LiveView(label) if args.live else None
     log: IO[bytes] | None = None
     if view is not None and view.tty:  # the job's output would tear the redrawn block
         log = open(out / "job.log", "wb")  # noqa: SIM115 - closed in finally
-    env = None  # a user's command gets memprof's environment unchanged
+    env = dict(os.environ)
     if report is not None:  # a built-in job imports tools._memjob from this checkout
-        env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    else:  # a user's command: shmloader loaders in it export their stats over this pipe
+        report = os.pipe()
+        env[STATS_FD_ENV] = str(report[1])
+        env[STATS_INTERVAL_ENV] = str(args.interval)
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log,

@@ -97,7 +97,35 @@ def test_a_command_after_double_dash_is_followed_with_its_child_and_its_exit_sta
     assert by_role["main"]["peak_uss"] > 20_000_000
     assert by_role["child"]["peak_uss"] > 40_000_000
     assert summary["arena"] is None
-    assert _rows(tmp_path / "arena.csv") == []  # header only: no stats from user scripts
+    assert _rows(tmp_path / "arena.csv") == []  # header only: the script uses no shmloader
+
+
+LOADER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from torch.utils.data import TensorDataset
+    import shmloader
+
+    if __name__ == "__main__":
+        data = TensorDataset(torch.arange(4000.0).view(-1, 1))
+        loader = shmloader.DataLoader(data, batch_size=8, num_workers=2)
+        assert sum(1 for _ in loader) == 500
+    """
+)
+
+
+def test_a_user_script_with_a_shmloader_loader_exports_arena_rows_and_worker_roles(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(LOADER_SCRIPT)
+    out = tmp_path / "out"
+    done = _memprof(
+        "--interval", "0.05", "--no-plot", "--out", str(out), "--", sys.executable, str(script)
+    )
+    assert done.returncode == 0, done.stderr
+    rows = _rows(out / "arena.csv")
+    assert rows and all(int(r["slots_total"]) >= 1 for r in rows)
+    roles = {r["role"] for r in _rows(out / "samples.csv")}
+    assert {"main", "worker0", "worker1"} <= roles
 
 
 def test_compare_runs_torch_then_shmloader_and_prints_the_ratio(tmp_path):
