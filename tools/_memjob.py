@@ -26,7 +26,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import Dataset
 
+from tools._measure import tensors
 from tools._synthetic import make_workload
 
 PAGE = 4096
@@ -128,19 +129,11 @@ def make_loader(kind: str, work: JobWorkload, workers: int, seed: int) -> Any:
     )
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple | dict):
-        for item in obj.values() if isinstance(obj, dict) else obj:
-            yield from _tensors(item)
-
-
 def consume(batch: Any) -> int:
     """Read one element per page of every tensor (so every page is mapped, as a copy to a device
     would map it); returns the batch's bytes."""
     nbytes = 0
-    for t in _tensors(batch):
+    for t in tensors(batch):
         nbytes += t.nbytes
         if t.numel():
             step = max(1, PAGE // t.element_size())

@@ -88,6 +88,7 @@ class WorkloadResult:
     batch_size: int = 0
     limit_batches_per_s: float = 0.0
     limit_bytes_per_batch: int = 0
+    h2d_limit_batches_per_s: float = 0.0  # device workloads: pinned batch copy_ + synchronize
     loaders: list[LoaderResult] = field(default_factory=list)
     skipped: str = ""
 
@@ -177,6 +178,10 @@ def format_table(results: list[WorkloadResult]) -> str:
         limit_gb = wr.limit_bytes_per_batch * wr.limit_batches_per_s / 1e9
         rows.append((wr.workload, "single-copy", f"{wr.limit_batches_per_s:,.1f}",
                      f"{limit_gb:.2f}", "", "", "100%", "", ""))
+        if wr.h2d_limit_batches_per_s:
+            h2d_gb = wr.limit_bytes_per_batch * wr.h2d_limit_batches_per_s / 1e9
+            rows.append((wr.workload, "h2d-copy", f"{wr.h2d_limit_batches_per_s:,.1f}",
+                         f"{h2d_gb:.2f}", "", "", "", "", ""))
         for lr in wr.loaders:
             s = wr.summary(lr)
             rows.append((wr.workload, f"{lr.loader} ({lr.num_workers}w)",
@@ -207,7 +212,9 @@ def write_files(results: list[WorkloadResult], out_dir: Path, meta: dict[str, An
                              "num_workers": lr.num_workers, "batch_size": wr.batch_size,
                              "samples": wr.samples, "repeats": len(lr.seconds),
                              "bytes_per_batch": round(lr.bytes_per_batch),
-                             "limit_batches_per_s": wr.limit_batches_per_s, **raw["summary"]})
+                             "limit_batches_per_s": wr.limit_batches_per_s,
+                             "h2d_limit_batches_per_s": wr.h2d_limit_batches_per_s or None,
+                             **raw["summary"]})
         workloads.append(entry)
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps({"meta": meta, "workloads": workloads}, indent=2) + "\n")

@@ -13,6 +13,11 @@ from it, so ``__getitem__`` is cheap and a benchmark measures the loader's data 
   which pads to the largest ``H, W`` of the batch.
 - ``decode``  ``JpegDataset`` (needs Pillow): small JPEGs encoded once in memory at construction
   and decoded on every ``__getitem__``.
+- ``pinned``  the ``image`` dataset loaded with ``pin_memory=True``; the consumer copies every
+  batch to ``cuda`` (needs CUDA).
+
+``BlobPoolDataset`` (not a named workload) serves flat uint8 samples of any size from a small pool;
+``tools.scaling`` sizes it so that one batch has a target number of bytes.
 
 All datasets are top-level classes holding only tensors, bytes and ints, so they pickle for spawned
 workers.
@@ -31,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-WORKLOADS: tuple[str, ...] = ("image", "tabular", "ragged", "decode")
+WORKLOADS: tuple[str, ...] = ("image", "tabular", "ragged", "decode", "pinned")
 NUM_LABELS = 1000
 POOL_SIZE = 8
 IMAGE_SHAPE = (3, 512, 512)
@@ -39,6 +44,7 @@ RAGGED_SIDE = (384, 512)  # inclusive bounds of H and W
 TABULAR_COLUMNS = 64
 JPEG_SIDE = 256
 JPEG_QUALITY = 90
+DEVICE = "cuda"  # where the pinned workload's consumer copies each batch
 
 # samples (rows for tabular) and batch size per workload: (full run, --quick run, batch size)
 SIZES: dict[str, tuple[int, int, int]] = {
@@ -46,6 +52,7 @@ SIZES: dict[str, tuple[int, int, int]] = {
     "tabular": (200_000, 20_000, 256),
     "ragged": (1024, 128, 32),
     "decode": (256, 64, 32),
+    "pinned": (1024, 128, 32),
 }
 
 
@@ -85,6 +92,23 @@ class TabularDataset(Dataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.table[index], index % NUM_LABELS
+
+
+class BlobPoolDataset(Dataset[torch.Tensor]):
+    """``n`` samples of ``sample_bytes`` random uint8 each, served from ``pool`` distinct tensors
+    (``pool[i % pool]``, no copy in ``__getitem__``)."""
+
+    def __init__(self, n: int, sample_bytes: int, seed: int, pool: int = 4) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.n = n
+        self.pool = [torch.randint(0, 256, (sample_bytes,), dtype=torch.uint8, generator=generator)
+                     for _ in range(pool)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.pool[index % len(self.pool)]
 
 
 class RaggedImageDataset(Dataset[tuple[torch.Tensor, int]]):
@@ -172,6 +196,8 @@ class Workload:
     batch_size: int
     collate_fn: Callable[[list[Any]], Any] | None
     description: str
+    pin_memory: bool = False
+    device: str | None = None  # set: the consumer copies each batch there and synchronizes
 
     @property
     def samples(self) -> int:
@@ -185,9 +211,14 @@ def make_workload(name: str, *, seed: int, quick: bool, batch_size: int | None =
     full, small, default_batch = SIZES[name]
     n = small if quick else full
     batch = batch_size or default_batch
+    shape = "x".join(map(str, IMAGE_SHAPE))
     if name == "image":
-        shape = "x".join(map(str, IMAGE_SHAPE))
         return Workload(name, ImagePoolDataset(n, seed), batch, None, f"{n} x {shape} uint8")
+    if name == "pinned":
+        if not torch.cuda.is_available():
+            raise WorkloadUnavailable("no CUDA")
+        desc = f"{n} x {shape} uint8, pin_memory=True, .to({DEVICE!r}) + synchronize; GB/s = H2D"
+        return Workload(name, ImagePoolDataset(n, seed), batch, None, desc, True, DEVICE)
     if name == "tabular":
         desc = f"{n} rows x {TABULAR_COLUMNS} float32"
         return Workload(name, TabularDataset(n, seed), batch, None, desc)

@@ -16,6 +16,13 @@ Method
   ``--repeats``; peak PSS is the maximum.
 - The timed loop reads one element of each batch's first tensor and drops the batch before asking
   for the next one.
+- ``pinned`` (CUDA only; without CUDA it prints ``pinned: skipped: no CUDA`` and the other
+  workloads run): the image dataset with ``pin_memory=True`` for every loader; the timed loop copies
+  each batch with ``.to("cuda", non_blocking=True)`` and calls ``torch.cuda.synchronize()`` after
+  every batch, so GB/s is host-to-device bytes. Its extra column ``shmloader+prefetch`` iterates
+  ``shmloader.DevicePrefetcher(loader, "cuda")`` (copy on a side stream one batch ahead) and
+  synchronizes after every batch the same way. An ``h2d-copy`` row gives the limit of that copy:
+  ``copy_(non_blocking=True)`` + ``synchronize()`` of one pinned batch, median of several.
 - Main CPU per batch = ``time.process_time()`` delta over the timed loop, minus the PSS sampler
   thread's own CPU time, divided by batches. It counts every other thread of the main process
   (pin-memory or receiver threads): the cost a training loop pays.
@@ -26,6 +33,9 @@ Method
 - Single-copy limit = ``torch.stack(samples, out=preallocated)`` of one batch in the main process
   on one thread (a zero-padded copy for ragged samples), median of several; ``% limit`` = loader
   rate / limit rate.
+
+Columns are defined in ``tools._loaders``; timing loops, limits and reaping live in
+``tools._measure``; workloads in ``tools._synthetic``; tables and files in ``tools._report``.
 
 Invariant: no process started by a run outlives it. After the loader is dropped its new children
 get ``REAP_TIMEOUT_S`` to exit, then are terminated and named on stderr. On Ctrl-C (or SIGTERM) the
@@ -38,23 +48,37 @@ import argparse
 import gc
 import os
 import platform
-import signal
-import statistics
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from types import FrameType, TracebackType
 from typing import Any
 
-import psutil
 import torch
-import torch.utils.data
 
+from tools._loaders import (
+    ALIASES,
+    DEFAULT_LOADERS,
+    EXTRA_COLUMNS,
+    LOADERS,
+    Column,
+    resolve_columns,
+)
+from tools._measure import (
+    PssSampler,
+    children,
+    close,
+    drain,
+    h2d_limit,
+    interrupt_on_sigterm,
+    positive_int,
+    reap,
+    single_copy_limit,
+    to_device,
+    touch,
+)
 from tools._report import (
     LoaderResult,
     Progress,
@@ -65,204 +89,15 @@ from tools._report import (
 )
 from tools._synthetic import WORKLOADS, Workload, WorkloadUnavailable, make_workload
 
-REAP_TIMEOUT_S = 10.0
-LIMIT_WARMUP = 2  # untimed copies before timing the single-copy limit
-LIMIT_REPEATS = (5, 50)  # at least / at most this many timed copies ...
-LIMIT_MIN_S = 0.5  # ... and keep copying until this much time has passed
 SHM_DIR = "/dev/shm"
-# Interpreter-wide helpers started by multiprocessing, not by a run: never reaped.
-HELPER_PROCESSES = ("forkserver", "resource_tracker")
-
-LoaderFactory = Callable[..., Iterable[Any]]
-
-
-def _torch_loader() -> LoaderFactory:
-    return torch.utils.data.DataLoader
-
-
-def _shmloader_loader() -> LoaderFactory:
-    import shmloader
-
-    factory: LoaderFactory = shmloader.DataLoader
-    return factory
-
-
-def _spdl_loader() -> LoaderFactory:
-    from spdl.dataloader import get_pytorch_dataloader
-
-    factory: LoaderFactory = get_pytorch_dataloader
-    return factory
-
-
-@dataclass(frozen=True)
-class LoaderSpec:
-    """How to get one loader column; ``resolve`` imports lazily, ImportError = unavailable."""
-
-    resolve: Callable[[], LoaderFactory]
-    num_workers: int | None = None  # None: --workers
-    persistent_ok: bool = True  # accepts persistent_workers=True
-    optional: bool = False  # skipped silently when missing, unless asked for by name
-
-
-LOADERS: dict[str, LoaderSpec] = {
-    "torch": LoaderSpec(_torch_loader),
-    "torch-0": LoaderSpec(_torch_loader, num_workers=0),
-    "shmloader": LoaderSpec(_shmloader_loader),
-    "spdl": LoaderSpec(_spdl_loader, persistent_ok=False, optional=True),
-}
-ALIASES = {"torch0": "torch-0"}
-DEFAULT_LOADERS = "torch,shmloader,spdl"
-# Columns a workload adds when "torch" is among the loaders: tabular's target is >= 1.5x torch-0.
-EXTRA_COLUMNS: dict[str, tuple[str, ...]] = {"tabular": ("torch-0",)}
-
-
-@dataclass(frozen=True)
-class Column:
-    name: str
-    factory: LoaderFactory
-    num_workers: int
-    persistent: bool
-
-
-def resolve_columns(
-    names: list[str], workers: int, fresh_workers: bool, explicit: bool, progress: Progress
-) -> list[Column]:
-    columns = []
-    for name in names:
-        spec = LOADERS[name]
-        try:
-            factory = spec.resolve()
-        except ImportError as exc:
-            if explicit or not spec.optional:
-                progress.note(f"skipped loader {name}: {exc}")
-            continue
-        n = workers if spec.num_workers is None else spec.num_workers
-        columns.append(Column(name, factory, n, spec.persistent_ok and n > 0 and not fresh_workers))
-    return columns
-
-
-def _pss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        return 0
-    return 0
-
-
-class PssSampler:
-    """Context manager: a thread tracking the peak summed PSS of this process and its children.
-
-    ``__enter__`` returns once the first sample is taken; from then until the thread ends in
-    ``__exit__`` it counts its own CPU time in ``cpu_seconds``, which the caller subtracts from the
-    process's. (A running thread's CPU time reaches the process clock only at its next tick or
-    switch, so it is read from inside the thread, and the process clock only after it has ended.)
-    """
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s  # <= 0: no sampling, peak_kb stays 0
-        self.peak_kb = 0
-        self.cpu_seconds = 0.0
-        self._ready = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
-
-    def __enter__(self) -> PssSampler:
-        if self.interval_s > 0:
-            self._thread.start()
-            self._ready.wait(timeout=REAP_TIMEOUT_S)
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(timeout=REAP_TIMEOUT_S)
-
-    def _sample(self, me: psutil.Process) -> None:
-        pids = [me.pid, *(child.pid for child in me.children(recursive=True))]
-        self.peak_kb = max(self.peak_kb, sum(_pss_kb(pid) for pid in pids))
-
-    def _run(self) -> None:
-        me = psutil.Process()
-        self._sample(me)
-        start = time.thread_time()
-        self._ready.set()
-        while not self._stop.wait(self.interval_s):
-            self._sample(me)
-        self.cpu_seconds = time.thread_time() - start
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch (tensor, or lists, tuples and dicts of them), depth first."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple | dict):
-        for item in obj.values() if isinstance(obj, dict) else obj:
-            yield from _tensors(item)
-
-
-def _touch(batch: Any) -> None:
-    """Read one element, so the batch's first page is really mapped and readable."""
-    tensor = next(_tensors(batch), None)
-    if tensor is not None and tensor.numel():
-        tensor[(0,) * tensor.dim()].item()
-
-
-def _epoch(
-    loader: Iterable[Any], limit: int | None, progress: Progress, count: bool
-) -> tuple[int, int]:
-    """Iterate one epoch (at most ``limit`` batches); returns batches and, if ``count``, bytes."""
-    batches = nbytes = 0
-    for batch in loader:
-        if count:
-            nbytes += sum(t.nbytes for t in _tensors(batch))
-        _touch(batch)
-        del batch
-        batches += 1
-        progress.tick(batches)
-        if batches == limit:
-            break
-    return batches, nbytes
-
-
-def _children() -> list[psutil.Process]:
-    kids = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            cmdline = " ".join(child.cmdline())
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            cmdline = ""
-        if not any(helper in cmdline for helper in HELPER_PROCESSES):
-            kids.append(child)
-    return kids
-
-
-def _reap(before: set[int], label: str, progress: Progress) -> None:
-    """Wait for the children started since ``before`` to exit; terminate, then kill, stragglers."""
-    new = [p for p in _children() if p.pid not in before]
-    _, alive = psutil.wait_procs(new, timeout=REAP_TIMEOUT_S)
-    if not alive:
-        return
-    progress.note(f"warning: {label}: {len(alive)} worker(s) still running "
-                  f"{REAP_TIMEOUT_S:.0f} s after the loader was dropped: "
-                  f"{[p.pid for p in alive]}; terminating them")
-    for p in alive:
-        p.terminate()
-    _, alive = psutil.wait_procs(alive, timeout=REAP_TIMEOUT_S)
-    for p in alive:
-        p.kill()
-    psutil.wait_procs(alive, timeout=REAP_TIMEOUT_S)
 
 
 def run_once(
     column: Column, workload: Workload, args: argparse.Namespace, label: str, progress: Progress
 ) -> RunSample:
     """Build a loader, run the warm-up and the timed epoch, tear it down (module docstring)."""
-    before = {p.pid for p in _children()}
+    before = {p.pid for p in children()}
+    extra = {"pin_memory": True} if workload.pin_memory else {}  # other columns: unchanged call
     loader = column.factory(
         workload.dataset,
         batch_size=workload.batch_size,
@@ -271,15 +106,23 @@ def run_once(
         collate_fn=workload.collate_fn,
         generator=torch.Generator().manual_seed(args.seed),
         persistent_workers=column.persistent,
+        **extra,
     )
+    source: Iterable[Any] = loader
+    if column.device_prefetch and workload.device:
+        from shmloader import DevicePrefetcher
+
+        source = DevicePrefetcher(loader, workload.device)
+    consume = to_device(workload.device) if workload.device else touch
     try:
         progress.start(f"{label} (warm-up)")
-        warm_batches, warm_bytes = _epoch(loader, args.max_batches, progress, count=True)
+        warm_batches, warm_bytes = drain(source, progress, consume=consume,
+                                         limit=args.max_batches, count=True)
         progress.start(label)
         with PssSampler(args.pss_interval) as pss:
             cpu0 = time.process_time()
             t0 = time.perf_counter()
-            batches, _ = _epoch(loader, args.max_batches, progress, count=False)
+            batches, _ = drain(source, progress, consume=consume, limit=args.max_batches)
             seconds = time.perf_counter() - t0
         cpu = time.process_time() - cpu0 - pss.cpu_seconds
         progress.repeat_done(batches, seconds)
@@ -288,45 +131,11 @@ def run_once(
         traceback.clear_frames(exc.__traceback__)
         raise
     finally:
-        close = getattr(loader, "close", None)
-        if callable(close):
-            close()
-        del loader
+        close(loader)
+        del loader, source
         gc.collect()
-        _reap(before, label, progress)
+        reap(before, label, progress)
     return RunSample(batches, seconds, cpu, pss.peak_kb / 1024, warm_bytes / max(warm_batches, 1))
-
-
-def single_copy_limit(workload: Workload) -> tuple[float, int]:
-    """Batches/s of copying one batch's samples into a preallocated batch, and its bytes."""
-    count = min(workload.batch_size, workload.samples)
-    tensors = [next(_tensors(workload.dataset[i])) for i in range(count)]
-    shape = [max(t.shape[d] for t in tensors) for d in range(tensors[0].dim())]
-    out = torch.zeros((len(tensors), *shape), dtype=tensors[0].dtype)
-    same_shape = all(t.shape == tensors[0].shape for t in tensors)
-
-    def copy() -> None:
-        if same_shape:
-            torch.stack(tensors, out=out)
-            return
-        for i, t in enumerate(tensors):
-            out[i][tuple(slice(0, n) for n in t.shape)].copy_(t)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core, as a worker has; also immune to busy sibling cores
-    try:
-        for _ in range(LIMIT_WARMUP):
-            copy()
-        times: list[float] = []
-        deadline = time.perf_counter() + LIMIT_MIN_S
-        least, most = LIMIT_REPEATS
-        while len(times) < least or (len(times) < most and time.perf_counter() < deadline):
-            t0 = time.perf_counter()
-            copy()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return 1.0 / statistics.median(times), out.nbytes
 
 
 def bench_workload(
@@ -347,8 +156,12 @@ def bench_workload(
     if any(c.name == "torch" for c in columns):
         extra = [n for n in EXTRA_COLUMNS.get(name, ()) if all(c.name != n for c in columns)]
         columns = columns + resolve_columns(extra, args.workers, args.fresh_workers, True, progress)
+    columns = [c for c in columns if workload.device or not c.device_prefetch]
     progress.start(f"{name} | single-copy limit")
     result.limit_batches_per_s, result.limit_bytes_per_batch = single_copy_limit(workload)
+    if workload.device:
+        progress.start(f"{name} | H2D limit")
+        result.h2d_limit_batches_per_s, _ = h2d_limit(workload, workload.device)
     rows = {c.name: LoaderResult(c.name, c.num_workers) for c in columns}
     result.loaders = list(rows.values())
     for repeat in range(args.repeats):
@@ -372,23 +185,19 @@ def _names(choices: Iterable[str], aliases: dict[str, str]) -> Callable[[str], l
     return parse
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
     p.add_argument("--workload", type=_names(WORKLOADS, {}), default="image,tabular",
-                   help=f"comma list of {', '.join(WORKLOADS)} or 'all' (default: image,tabular)")
+                   help=f"comma list of {', '.join(WORKLOADS)} or 'all' (default: image,tabular);"
+                   " pinned needs CUDA: pin_memory=True, each batch .to('cuda') + synchronize,"
+                   " GB/s = H2D, plus a shmloader+prefetch (DevicePrefetcher) column")
     p.add_argument("--loaders", type=_names(LOADERS, ALIASES), default=None,
                    help=f"comma list of loader columns (default: {DEFAULT_LOADERS})")
     p.add_argument("--workers", type=int, default=2, help="num_workers of the loaders (default 2)")
-    p.add_argument("--repeats", type=_positive, default=None, help="timed epochs per loader (3)")
-    p.add_argument("--max-batches", type=_positive, default=None, help="cap batches per epoch")
-    p.add_argument("--batch-size", type=_positive, default=None, help="override every batch size")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed epochs per loader (3)")
+    p.add_argument("--max-batches", type=positive_int, default=None, help="cap batches per epoch")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="override every batch size")
     p.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="results directory")
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repeat: a smoke run")
@@ -403,18 +212,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.loaders = args.loaders or _names(LOADERS, ALIASES)(DEFAULT_LOADERS)
     args.repeats = args.repeats or (1 if args.quick else 3)
     return args
-
-
-_MAIN_PID = os.getpid()
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """In the benchmark process, turn SIGTERM into the Ctrl-C path; forked children die as usual."""
-    if os.getpid() != _MAIN_PID:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise KeyboardInterrupt
 
 
 def _shm_entries() -> set[str]:
@@ -440,7 +237,7 @@ def _meta(args: argparse.Namespace, columns: list[Column], interrupted: bool) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    interrupt_on_sigterm()
     progress = Progress()
     columns = resolve_columns(args.loaders, args.workers, args.fresh_workers,
                               args.explicit_loaders, progress)

@@ -19,8 +19,14 @@ RUN_S = 120  # a bound on the CLI run; --quick takes about 10 s on 2 cores
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     shm_before = set(os.listdir("/dev/shm"))
-    done = subprocess.run([sys.executable, "-m", "tools.scaling", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=RUN_S, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.scaling", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+        check=False,
+    )
     new_shm = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("shmloader-")}
     return done, out, new_shm
 

@@ -1,0 +1,275 @@
+"""Measurement helpers shared by the benchmarks: timed loops, copy limits, PSS, child reaping.
+
+- ``drain`` consumes batches from a loader (or an iterator over one) and counts them; ``touch``
+  and ``to_device`` are the two ways a batch is consumed.
+- ``single_copy_limit`` times ``torch.stack(samples, out=preallocated)`` of one batch on one
+  thread; ``h2d_limit`` times the host-to-device copy of one pinned batch. Both report batches/s
+  from the median of at least ``LIMIT_REPEATS[0]`` timed copies after ``LIMIT_WARMUP`` untimed ones.
+- ``PssSampler`` tracks the peak summed PSS of this process and its children in a thread and
+  counts its own CPU time, which callers subtract from the process's.
+- ``reap`` makes sure no process a run started outlives it; ``interrupt_on_sigterm`` makes
+  SIGTERM take the Ctrl-C path, so a killed benchmark still tears down and reports.
+
+Invariant: every helper leaves torch's thread count, and the set of this process's children
+(apart from ``HELPER_PROCESSES``), as it found them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType, TracebackType
+from typing import Any
+
+import psutil
+import torch
+
+from tools._report import Progress
+from tools._synthetic import Workload
+
+REAP_TIMEOUT_S = 10.0
+LIMIT_WARMUP = 2  # untimed copies before timing a limit
+LIMIT_REPEATS = (5, 50)  # at least / at most this many timed copies ...
+LIMIT_MIN_S = 0.5  # ... and keep copying until this much time has passed
+# Interpreter-wide helpers started by multiprocessing, not by a run: never reaped.
+HELPER_PROCESSES = ("forkserver", "resource_tracker")
+
+
+# -- consuming batches ---------------------------------------------------------------------------
+
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a batch (tensor, or lists, tuples and dicts of them), depth first."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple | dict):
+        for item in obj.values() if isinstance(obj, dict) else obj:
+            yield from tensors(item)
+
+
+def touch(batch: Any) -> None:
+    """Read one element, so the batch's first page is really mapped and readable."""
+    tensor = next(tensors(batch), None)
+    if tensor is not None and tensor.numel():
+        tensor[(0,) * tensor.dim()].item()
+
+
+def to_device(device: str) -> Callable[[Any], None]:
+    """A consumer that copies every tensor of a batch to ``device`` (``non_blocking=True``) and
+    then waits with ``torch.cuda.synchronize()``; tensors already there are not copied again."""
+
+    def consume(batch: Any) -> None:
+        moved = [t.to(device, non_blocking=True) for t in tensors(batch)]
+        torch.cuda.synchronize()
+        del moved
+
+    return consume
+
+
+def drain(
+    batches: Iterable[Any],
+    progress: Progress,
+    *,
+    consume: Callable[[Any], None] = touch,
+    limit: int | None = None,
+    min_seconds: float = 0.0,
+    count: bool = False,
+) -> tuple[int, int]:
+    """Consume ``batches`` until they end, or until ``limit`` batches are done *and*
+    ``min_seconds`` have passed. Returns the batches and, if ``count``, their summed bytes.
+    Each batch is dropped before the next one is asked for."""
+    done = nbytes = 0
+    deadline = time.perf_counter() + min_seconds
+    for batch in batches:
+        if count:
+            nbytes += sum(t.nbytes for t in tensors(batch))
+        consume(batch)
+        del batch
+        done += 1
+        progress.tick(done)
+        if limit is not None and done >= limit and time.perf_counter() >= deadline:
+            break
+    return done, nbytes
+
+
+# -- limits --------------------------------------------------------------------------------------
+
+
+def _median_rate(copy: Callable[[], None]) -> float:
+    """Batches/s of ``copy`` on one thread: 1 / median of its timed repeats."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core, as a worker has; also immune to busy sibling cores
+    try:
+        for _ in range(LIMIT_WARMUP):
+            copy()
+        times: list[float] = []
+        deadline = time.perf_counter() + LIMIT_MIN_S
+        least, most = LIMIT_REPEATS
+        while len(times) < least or (len(times) < most and time.perf_counter() < deadline):
+            t0 = time.perf_counter()
+            copy()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 1.0 / statistics.median(times)
+
+
+def _batch_samples(workload: Workload) -> list[torch.Tensor]:
+    count = min(workload.batch_size, workload.samples)
+    return [next(tensors(workload.dataset[i])) for i in range(count)]
+
+
+def single_copy_limit(workload: Workload) -> tuple[float, int]:
+    """Batches/s of copying one batch's samples into a preallocated batch, and its bytes."""
+    samples = _batch_samples(workload)
+    shape = [max(t.shape[d] for t in samples) for d in range(samples[0].dim())]
+    out = torch.zeros((len(samples), *shape), dtype=samples[0].dtype)
+    same_shape = all(t.shape == samples[0].shape for t in samples)
+
+    def copy() -> None:
+        if same_shape:
+            torch.stack(samples, out=out)
+            return
+        for i, t in enumerate(samples):
+            out[i][tuple(slice(0, n) for n in t.shape)].copy_(t)
+
+    return _median_rate(copy), out.nbytes
+
+
+def h2d_limit(workload: Workload, device: str) -> tuple[float, int]:
+    """Batches/s of ``copy_(non_blocking=True)`` + ``synchronize()`` of one pinned batch of the
+    workload's first tensor to ``device``, and its bytes."""
+    host = torch.stack(_batch_samples(workload)).pin_memory()
+    dev = torch.empty_like(host, device=device)
+
+    def copy() -> None:
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return _median_rate(copy), host.nbytes
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        return 0
+    return 0
+
+
+class PssSampler:
+    """Context manager: a thread tracking the peak summed PSS of this process and its children.
+
+    ``__enter__`` returns once the first sample is taken; from then until the thread ends in
+    ``__exit__`` it counts its own CPU time in ``cpu_seconds``, which the caller subtracts from the
+    process's. (A running thread's CPU time reaches the process clock only at its next tick or
+    switch, so it is read from inside the thread, and the process clock only after it has ended.)
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s  # <= 0: no sampling, peak_kb stays 0
+        self.peak_kb = 0
+        self.cpu_seconds = 0.0
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
+
+    def __enter__(self) -> PssSampler:
+        if self.interval_s > 0:
+            self._thread.start()
+            self._ready.wait(timeout=REAP_TIMEOUT_S)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=REAP_TIMEOUT_S)
+
+    def _sample(self, me: psutil.Process) -> None:
+        pids = [me.pid, *(child.pid for child in me.children(recursive=True))]
+        self.peak_kb = max(self.peak_kb, sum(_pss_kb(pid) for pid in pids))
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        self._sample(me)
+        start = time.thread_time()
+        self._ready.set()
+        while not self._stop.wait(self.interval_s):
+            self._sample(me)
+        self.cpu_seconds = time.thread_time() - start
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def children() -> list[psutil.Process]:
+    """This process's descendants, without the multiprocessing helpers."""
+    kids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            cmdline = ""
+        if not any(helper in cmdline for helper in HELPER_PROCESSES):
+            kids.append(child)
+    return kids
+
+
+def close(loader: Any) -> None:
+    """Call the loader's ``close()`` if it has one (torch's DataLoader has none)."""
+    closer = getattr(loader, "close", None)
+    if callable(closer):
+        closer()
+
+
+def reap(before: set[int], label: str, progress: Progress) -> None:
+    """Wait for the children started since ``before`` to exit; terminate, then kill, stragglers."""
+    new = [p for p in children() if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=REAP_TIMEOUT_S)
+    if not alive:
+        return
+    progress.note(f"warning: {label}: {len(alive)} worker(s) still running "
+                  f"{REAP_TIMEOUT_S:.0f} s after the loader was dropped: "
+                  f"{[p.pid for p in alive]}; terminating them")
+    for p in alive:
+        p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=REAP_TIMEOUT_S)
+    for p in alive:
+        p.kill()
+    psutil.wait_procs(alive, timeout=REAP_TIMEOUT_S)
+
+
+def interrupt_on_sigterm() -> None:
+    """From now on SIGTERM raises KeyboardInterrupt in this process; forked children that inherit
+    the handler die of the signal as usual."""
+    main_pid = os.getpid()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
