@@ -62,11 +62,9 @@ def pin_memory(data: object, device: str | None) -> object:
 
 
 ITERABLE_KIND: int = _DatasetKind.Iterable
-MAP_KIND: int = _DatasetKind.Map
 
 __all__ = [
     "ITERABLE_KIND",
-    "MAP_KIND",
     "ExceptionWrapper",
     "IterDataPipe",
     "MapDataPipe",
