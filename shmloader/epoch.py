@@ -139,7 +139,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._epoch += 1
             for wid in range(self._num_workers):
                 self._sup.send(wid, P.Resume(self._epoch, self._shared_seed))
-                self._books.new_epoch()
+            self._books.new_epoch()
         self._sampler_done = False
         self._status = [True] * self._num_workers
         self._num_tasks = [0] * self._num_workers
