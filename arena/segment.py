@@ -146,9 +146,14 @@ class Segment:
     _fd: int = -1
     _mmap: mmap.mmap | None = None
 
-    def __init__(self, fd: int, size: int, backend: Backend, owner_pid: int) -> None:
+    def __init__(
+        self, fd: int, size: int, backend: Backend, owner_pid: int, owner_fd: int | None = None
+    ) -> None:
         self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._fd = fd
+        # The owner's descriptor number: what any process reopens through /proc (an attacher's
+        # own descriptor number means nothing in the owner's fd table).
+        self.owner_fd = fd if owner_fd is None else owner_fd
         # A segment dropped without close() still gives its descriptor back.
         self._fd_closer = weakref.finalize(self, os.close, fd)
         self.size = size
@@ -193,7 +198,7 @@ class Segment:
                     "may have exited, or /proc is not readable in this container",
                 ) from None
         try:
-            return cls(fd, spec.size, spec.backend, spec.owner_pid)
+            return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd)
         except BaseException:
             os.close(fd)
             raise
@@ -201,7 +206,7 @@ class Segment:
     @property
     def spec(self) -> SegmentSpec:
         """What another process needs to attach this segment."""
-        return SegmentSpec(self.owner_pid, self._fd, self.size, self.backend)
+        return SegmentSpec(self.owner_pid, self.owner_fd, self.size, self.backend)
 
     @property
     def closed(self) -> bool:

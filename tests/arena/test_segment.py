@@ -297,3 +297,27 @@ def test_create_survives_its_name_being_unlinked_by_another_process(monkeypatch)
     seg.buffer[:2] = b"ok"
     seg.close()
     assert open_fds() == fds
+
+
+def _report_spec(spec, conn):
+    seg = Segment.attach(spec)
+    conn.send(seg.spec)
+    seg.close()
+
+
+def test_an_attacher_hands_on_the_owners_spec_not_its_own_descriptor():
+    import multiprocessing
+
+    seg = Segment.create(PAGE, "memfd")
+    try:
+        parent, child = multiprocessing.get_context("fork").Pipe()
+        proc = multiprocessing.get_context("fork").Process(
+            target=_report_spec, args=(seg.spec, child)
+        )
+        proc.start()
+        assert parent.poll(30), "the child reported no spec"
+        assert parent.recv() == seg.spec
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        seg.close()
