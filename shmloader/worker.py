@@ -2,18 +2,27 @@
 
 Loop states (one dispatch over commands)::
 
-    start --seed, init_fn, fetcher--> IDLE --TASK--> FETCH --> PACK --fits--> READY sent --> IDLE
-                                       ^                          |
-                                       |                          +--too big--> NEED_SLOT sent
-                                       |                                  --GRANT--> copy --> READY
-                                       +--RESUME (new epoch: fresh fetcher)      IDLE --STOP--> exit
+    start: seed, init_fn, fetcher --> IDLE
+    IDLE --TASK--> FETCH --> PACK --fits its slot--> READY sent --> IDLE
+                              |
+                              +--no slot / too small--> NEED_SLOT sent --GRANT--> lay out --> READY
+                                                                  --DENY / RESUME / STOP--> drop
+    IDLE --RESUME--> fresh fetcher --> IDLE      IDLE --stale TASK--> fetch --> DROPPED sent
+    IDLE --STOP or EOF--> exit
+
+A task sent without a slot first takes a GRANT the main process already offered for it, if one
+is waiting in the pipe; the default collate *plans* a batch it has no room for (meta tensors)
+and collates the same samples again into the granted slot.
 
 Invariants:
 - Seeding is torch's: ``seed = base_seed + worker_id`` for ``random`` and torch, NumPy from
   torch's ``_generate_state``; ``get_worker_info()`` is set before ``worker_init_fn`` runs.
-- A worker writes only into the slot its current task names (or a slot granted for that task),
-  and never touches it after sending READY or NEED_SLOT.
-- After its IterableDataset replica is exhausted the worker answers no task until RESUME.
+- A worker writes only into the slot its current task names or a slot granted for that task.
+  After NEED_SLOT it writes nothing more to the old slot (it may still read leaves from it; the
+  main process keeps that slot as the task's spare until the answer arrives).
+- Every task sent to a worker is fetched, in order, as torch's workers do (tasks of an abandoned
+  epoch too), so dataset-side randomness stays in step with torch; after its IterableDataset
+  replica is exhausted the worker skips tasks until RESUME, as torch's do.
 - The worker dies with the main process: a watchdog thread waits on a pidfd of the main process
   and exits the moment it goes. SIGINT is ignored: Ctrl-C is the main process's to handle.
 """
