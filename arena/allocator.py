@@ -16,7 +16,10 @@ Invariants:
   ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would pass
   the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
   fitting class. ``acquire`` always prefers the smallest class that fits.
-- Thread safety: every method takes one lock; releases may come from any thread (finalizers).
+- A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
+  ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
+- Thread safety: every method takes one lock. The lock is never taken from a garbage-collector
+  callback (the loader defers releases to safe points), so it needs no re-entrance.
 - After ``close()`` the slabs are unmapped in this process (views still alive keep their pages) and
   ``acquire`` raises, but bookkeeping goes on: late releases still move slots to FREE, so
   statistics taken after close stay true.
@@ -174,6 +177,36 @@ class Arena:
         self._reserved += size * nslots
         self._growth_events += 1
         return True
+
+    def give_back_idle(self) -> list[int]:
+        """Close every slab whose slots are all FREE, making room under the cap for another
+        size class. Returns their ids (other processes should unmap them). Refs to their slots
+        become stale: releasing one is a no-op."""
+        with self._cond:
+            idle = [
+                sid
+                for sid, states in self._states.items()
+                if all(state is SlotState.FREE for state in states)
+            ]
+            gone = [self._forget_slab(sid) for sid in idle]
+        for slab in gone:
+            slab.close()
+        return idle
+
+    def _forget_slab(self, slab_id: int) -> Slab:
+        size = self._sizes.pop(slab_id)
+        nslots = len(self._states.pop(slab_id))
+        del self._gens[slab_id]
+        free = [entry for entry in self._free[size] if entry[0] != slab_id]
+        if free or any(s == size for s in self._sizes.values()):
+            self._free[size] = free
+        else:
+            del self._free[size]
+            self._classes.remove(size)
+        self._slots_by_state[_FREE] -= nslots
+        self._bytes_by_state[_FREE] -= size * nslots
+        self._reserved -= size * nslots
+        return self._slabs.pop(slab_id)
 
     # -- transitions ---------------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ Invariants:
   state takes no page faults.
 - ``close()`` unmaps and closes this process's handle; it is idempotent. If views still export the
   mapping, the mapping is left to die with the last view (it is never pulled out from under them).
+- Only the owner keeps a descriptor (attachers reopen it through ``/proc``); an attacher closes
+  its own as soon as the segment is mapped, so a process needs one descriptor per slab only where
+  the arena lives. Running out of descriptors is a ``RuntimeError`` naming ``ulimit -n``.
 - Ownership: the creating process is the owner; the memory is freed by the kernel when the last
   descriptor and mapping in any process are gone.
 """
@@ -30,6 +33,7 @@ import errno
 import itertools
 import mmap
 import os
+import resource
 import secrets
 import threading
 import warnings
@@ -93,6 +97,26 @@ def _capacity_error(nbytes: int, backend: Backend, cause: str) -> ArenaCapacityE
     )
 
 
+def _descriptor_error() -> RuntimeError:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        open_fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_fds = -1
+    return RuntimeError(
+        f"Too many open files: this process has {open_fds} descriptors open, at its limit "
+        f"`ulimit -n` = {soft}; the shmloader arena holds one per slab, and it needed another "
+        "slab because the batches you hold fill the ones it has. Fixes: raise the limit "
+        "(`ulimit -n 65536`, or resource.setrlimit(RLIMIT_NOFILE)), hold fewer batches (drop "
+        "references, .clone() what you keep, shmloader.release(batch, loader)), or make each "
+        "slab hold more batches (arena_slots_per_slab)."
+    )
+
+
+def _nothing() -> None:
+    pass
+
+
 def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
     """The concrete backend ``auto`` picks for a request of ``nbytes``."""
     backend = Backend(backend)
@@ -144,18 +168,25 @@ class Segment:
 
     # Class-level defaults make close() safe on a half-built object.
     _fd: int = -1
+    _fd_closer: weakref.finalize | None = None  # type: ignore[type-arg]
     _mmap: mmap.mmap | None = None
 
     def __init__(
         self, fd: int, size: int, backend: Backend, owner_pid: int, owner_fd: int | None = None
     ) -> None:
         self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        self._fd = fd
         # The owner's descriptor number: what any process reopens through /proc (an attacher's
         # own descriptor number means nothing in the owner's fd table).
         self.owner_fd = fd if owner_fd is None else owner_fd
-        # A segment dropped without close() still gives its descriptor back.
-        self._fd_closer = weakref.finalize(self, os.close, fd)
+        if owner_fd is None:
+            self._fd = fd
+            # A segment dropped without close() still gives its descriptor back.
+            self._fd_closer = weakref.finalize(self, os.close, fd)
+        else:
+            # An attacher needs no descriptor once mapped: one per slab per process would run
+            # into `ulimit -n` when a user holds many batches.
+            os.close(fd)
+            self._fd_closer = weakref.finalize(self, _nothing)
         self.size = size
         self.backend = backend
         self.owner_pid = owner_pid
@@ -171,10 +202,15 @@ class Segment:
             raise _capacity_error(nbytes, chosen, "/dev/shm is too small")
         if chosen is Backend.MEMFD and nbytes > mem_available_bytes():
             raise _capacity_error(nbytes, chosen, "not enough available RAM")
-        if chosen is Backend.POSIX:
-            fd = _open_posix(nbytes)
-        else:
-            fd = os.memfd_create("shmloader-slab", os.MFD_CLOEXEC)
+        try:
+            if chosen is Backend.POSIX:
+                fd = _open_posix(nbytes)
+            else:
+                fd = os.memfd_create("shmloader-slab", os.MFD_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.EMFILE:
+                raise _descriptor_error() from e
+            raise
         try:
             _reserve(fd, nbytes, chosen)
             return cls(fd, nbytes, chosen, os.getpid())
@@ -210,7 +246,7 @@ class Segment:
 
     @property
     def closed(self) -> bool:
-        return self._fd < 0
+        return self._mmap is None
 
     def close(self) -> None:
         """Unmap and close this process's handle. Idempotent; never unmaps under live views."""
@@ -221,8 +257,8 @@ class Segment:
             except BufferError:
                 pass  # views still export it: the mapping dies with the last of them
             self._mmap = None
-        if self._fd >= 0:
-            self._fd = -1
+        self._fd = -1
+        if self._fd_closer is not None:
             self._fd_closer()
 
     def __repr__(self) -> str:

@@ -28,7 +28,7 @@ def release(batch: Any, loader: DataLoader[Any]) -> int:
     bytes. Returns the number of slots released (0 if the batch holds none).
     """
     host = loader._host
-    return 0 if host is None else host.leases.release_early(batch)
+    return 0 if host is None or not host.here else host.leases.release_early(batch)
 
 
 __all__ = ["DataLoader", "DevicePrefetcher", "LoaderStats", "empty", "get_worker_info", "release"]

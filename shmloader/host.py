@@ -1,20 +1,25 @@
 """The arena a DataLoader keeps across its iterators: slabs, leases, pinning, batch-size hint.
 
-Created at the loader's first multi-worker ``iter()`` and kept while the loader or any of its
-iterators lives (each holds it; it closes itself when the last of them is gone). So slabs are
-reserved, pre-faulted and page-locked once per loader, not once per epoch, and an epoch's first
-tasks already know the batch size. Iterators borrow the host; their workers attach its slabs.
+Created at the loader's first multi-worker ``iter()`` *in a process* and kept while the loader or
+any of its iterators lives there (each holds it; it closes itself when the last of them is gone).
+So slabs are reserved, pre-faulted and page-locked once per loader, not once per epoch, and an
+epoch's first tasks already know the batch size. Iterators borrow the host; their workers attach
+its slabs.
 
 Invariants:
-- One host per loader; every iterator of the loader allocates from the same arena (the allocator
-  is thread-safe and per-slot, so interleaved iterators never share a slot).
-- ``largest`` is the largest batch any iterator has seen, in bytes; dispatch acquires slots of
-  that size, so steady state needs no NEED_SLOT round trip.
+- One host per loader per process: a host belongs to the process that made it (``pid``). A loader
+  used in another process (after ``os.fork()``, or unpickled elsewhere) makes its own host there
+  and never hands out the other process's slots; an inherited host's teardown does nothing.
+- Every iterator of the loader allocates from the same arena, one at a time (all in the
+  caller's thread), so interleaved iterators never share a slot.
+- ``largest`` is the largest batch any iterator has asked a slot for, in bytes; dispatch takes
+  slots of that size, so steady state needs no NEED_SLOT round trip.
 - ``close()`` unregisters pinned memory, then closes the arena; views still alive stay valid.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 from arena import Arena, Backend
@@ -25,7 +30,7 @@ from shmloader.stats import LoaderStats
 
 
 class ArenaHost:
-    """A loader's arena, lease table and pinner."""
+    """A loader's arena, lease table and pinner, in the process that made them."""
 
     def __init__(
         self,
@@ -36,25 +41,32 @@ class ArenaHost:
         pin: bool,
         pin_device: str | None,
     ) -> None:
+        self.pid = os.getpid()
         self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
         self.leases = Leases(self.arena)
         self.pinner = Pinner(pin, pin_device)
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
         self.export = StatsExport.from_environment()  # None unless a profiler asked
-        self._closer = weakref.finalize(self, _close, self.pinner, self.arena)
+        self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena)
+
+    @property
+    def here(self) -> bool:
+        """Whether this host belongs to the calling process."""
+        return self.pid == os.getpid()
 
     def snapshot(self) -> LoaderStats:
-        return LoaderStats(
-            self.arena.stats(), self.leases.held, self.pinner.pinned_bytes, self.worker_pids
-        )
+        held = self.leases.held  # drains first: deaths since the last batch are counted
+        return LoaderStats(self.arena.stats(), held, self.pinner.pinned_bytes, self.worker_pids)
 
     def close(self) -> None:
         """Unregister pinned slabs, then close the arena. Idempotent."""
         self._closer()
 
 
-def _close(pinner: Pinner, arena: Arena) -> None:
+def _close(pid: int, pinner: Pinner, arena: Arena) -> None:
+    if os.getpid() != pid:
+        return  # inherited through fork(): the owner closes its own
     try:
         pinner.close()
     finally:

@@ -1,34 +1,48 @@
-"""Lending batches: tensor views over a slot, and the slot's return when the last view dies.
+"""Lending batches: views over a slot, and the slot's return once the last view is gone.
 
-For each yielded batch the main process takes one fresh ``memoryview`` of the slot; every tensor
-and array of the batch is a zero-copy view created from that memoryview, so the memoryview lives
-exactly as long as any view of the batch (slices, ``.view()``, ``.numpy()`` included; ``.clone()``
-detaches). A weak reference to it, with a callback, releases the slot to the arena (a plain
-``weakref.ref`` callback rather than ``weakref.finalize``: this runs once per batch, and costs a
-fraction as much).
+A batch is rebuilt (:mod:`shmloader.rebuild`) from one per-batch NumPy array over its slot, whose
+base ``memoryview`` every view of the batch keeps alive. A :class:`Lease` is a weak reference to
+that memoryview naming the slot *and its generation* (a :class:`~arena.SlotRef`).
+
+Lease life cycle::
+
+    open: READY -> LENT, lease live --last view dies--> dead (queued) --drain--> slot FREE
+                            |
+                            +--release_early--> slot FREE, lease forgotten (a later death: no-op)
 
 Invariants:
-- A slot is LENT while any view of its batch lives, and FREE right after the last one dies.
-- :meth:`Leases.release_early` releases ahead of time and forgets the lease; the later death of
-  the views is then a no-op (the entry is gone; a stale generation is ignored by the arena).
-- ``held`` counts batches lent and not yet returned.
+- A slot is released only after every view of its batch is gone (or by ``release_early``).
+- Nothing here that can run inside the garbage collector takes a lock or touches the arena: a
+  view's death (the weakref callback) and an iterator's finalizer only *append* to :attr:`dead`
+  (``deque.append``, atomic under the GIL). The owner drains :attr:`dead` at safe points
+  (:meth:`Leases.drain`: each ``__next__``, each ``stats()``, before the arena grows).
+- Every release names a generation: a second release of a lease, or of a slot that has moved on
+  to another batch, is a no-op that returns 0.
+- ``held`` (after a drain) is the number of batches lent and not yet returned.
 """
 
 from __future__ import annotations
 
-import io
-import math
-import pickle
-import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
 
-from arena import Arena, Descriptor, SlotRef, array_view
-from shmloader.dtypes import TORCH_DTYPE
-from shmloader.pack import NDARRAY, TENSOR
+from arena import Arena, SlotRef
+from shmloader import protocol as P
+from shmloader.rebuild import Rebuilder
+
+
+class Lease(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a batch's keep-alive memoryview, naming its slot and generation."""
+
+    __slots__ = ("hi", "keys", "lo", "slot")
+    slot: SlotRef
+    keys: tuple[int, ...]  # early-release keys: leaf storages and the keep-alive's id
+    lo: int  # address range of the slot
+    hi: int
 
 
 class Leases:
@@ -36,91 +50,107 @@ class Leases:
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
-        self._lock = threading.Lock()
-        # id(weakref) -> (the weakref, kept alive so its callback fires; the slot ref)
-        self._live: dict[int, tuple[weakref.ref[memoryview], SlotRef]] = {}
-        self._by_slot: dict[tuple[int, int], int] = {}  # (slab id, slot) -> id(weakref)
-        self._bases: dict[int, tuple[int, int, int]] = {}  # slab_id -> (base, slot_size, nslots)
+        self.dead: deque[Lease | SlotRef] = deque()  # appended from callbacks, drained here
+        self.rebuilder = Rebuilder()
+        self._live: dict[int, Lease] = {}  # id -> lease (a weakref hashes as its referent)
+        self._by_key: dict[int, Lease] = {}
+        self._slabs: dict[int, tuple[memoryview, int, int]] = {}  # id -> (buffer, slot size, base)
 
     @property
     def held(self) -> int:
+        self.drain()
         return len(self._live)
 
-    def open(self, desc: Descriptor) -> Any:
-        """The batch ``desc`` describes, as views of its slot; the slot becomes LENT."""
-        ref = desc.ref
-        slab = self.arena.slab(ref.slab_id)
-        if ref.slab_id not in self._bases:
-            base = np.frombuffer(slab.segment.buffer, np.uint8, count=1).ctypes.data
-            self._bases[ref.slab_id] = (base, slab.slot_size, slab.nslots)
-        mv = slab.slot_buffer(ref.slot)
-        desc.check(len(mv))
-        arrays = desc.arrays
-        leaves: list[Any] = [None] * len(arrays)
+    def open(self, msg: P.Ready) -> Any:
+        """The batch a READY message names, as views of its slot; the slot becomes LENT. If the
+        batch cannot be rebuilt, its slot is released and the error propagates."""
+        ref = msg.ref
+        try:
+            buf, size, base = self._slabs.get(ref.slab_id) or self._map(ref.slab_id)
+            arr = np.frombuffer(buf, np.uint8, size, ref.slot * size)
+            batch, leaves = self.rebuilder.build(arr, P.layout(msg), lambda: P.descriptor(msg))
+            self.arena.lend(ref)
+        except BaseException:
+            self.arena.release(ref)
+            raise
+        keep = arr.base
+        lease = Lease(keep, self.dead.append)
+        lease.slot = ref
+        lease.lo = base + ref.slot * size
+        lease.hi = lease.lo + size
+        keys = [id(keep)]
+        for leaf in leaves:
+            if type(leaf) is torch.Tensor:
+                keys.append(leaf.untyped_storage()._cdata)
+        lease.keys = tuple(keys)
+        self._live[id(lease)] = lease
+        by_key = self._by_key
+        for k in keys:
+            by_key[k] = lease
+        return batch  # if no leaf keeps `keep` alive, the lease is dead as this frame ends
 
-        def persistent_load(pid: tuple[int, int]) -> Any:
-            kind, i = pid
-            if leaves[i] is None:
-                a = arrays[i]
-                if kind == TENSOR:
-                    dtype = TORCH_DTYPE[a.dtype]
-                    n = math.prod(a.shape)
-                    leaves[i] = (
-                        torch.frombuffer(mv, dtype=dtype, count=n, offset=a.offset).view(a.shape)
-                        if n
-                        else torch.empty(a.shape, dtype=dtype)
-                    )
-                elif kind == NDARRAY:
-                    leaves[i] = array_view(mv, a)
-                else:
-                    raise pickle.UnpicklingError(f"unknown leaf kind {kind} in batch payload")
-            return leaves[i]
+    def _map(self, slab_id: int) -> tuple[memoryview, int, int]:
+        slab = self.arena.slab(slab_id)
+        buf = slab.segment.buffer
+        base = int(np.frombuffer(buf, np.uint8, count=1).ctypes.data)
+        self._slabs[slab_id] = entry = (buf, slab.slot_size, base)
+        return entry
 
-        payload = mv[desc.payload_offset : desc.payload_offset + desc.payload_len]
-        unpickler = pickle.Unpickler(io.BytesIO(payload))
-        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-        batch = unpickler.load()
-        payload.release()
-        self.arena.lend(ref)
-        wr = weakref.ref(mv, self._on_dead)
-        with self._lock:
-            self._live[id(wr)] = (wr, ref)
-            self._by_slot[(ref.slab_id, ref.slot)] = id(wr)
-        return batch  # if no leaf keeps `mv` alive, its slot is released as this frame ends
+    def forget_slab(self, slab_id: int) -> None:
+        """The arena gave the slab back: drop the cached mapping (live views keep theirs)."""
+        self._slabs.pop(slab_id, None)
 
-    def _on_dead(self, wr: weakref.ref[memoryview]) -> None:
-        self._forget_and_release(id(wr))
-
-    def _forget_and_release(self, wid: int) -> bool:
-        with self._lock:
-            entry = self._live.pop(wid, None)
-            if entry is None:
-                return False
-            ref = entry[1]
-            self._by_slot.pop((ref.slab_id, ref.slot), None)
-        self.arena.release(ref)
-        return True
-
-    def release_early(self, batch: Any) -> int:
-        """Return the slots of ``batch`` now, whatever views remain. Returns how many."""
-        keys = {k for k in (self._key_of(t) for t in _tensors_in(batch)) if k is not None}
-        n = 0
-        for key in keys:
-            with self._lock:
-                wid = self._by_slot.get(key)
-            if wid is not None and self._forget_and_release(wid):
-                n += 1
+    def drain(self) -> int:
+        """Release the slots of every batch whose views died, and of every slot a finalizer
+        queued. Call only at a safe point (never from a callback). Returns how many."""
+        dead, live, n = self.dead, self._live, 0
+        while dead:
+            x = dead.popleft()
+            if isinstance(x, Lease):
+                if id(x) not in live:
+                    continue  # released early already
+                self._forget(x)
+                n += self.arena.release(x.slot)
+            else:
+                n += self.arena.release(x)
         return n
 
-    def _key_of(self, t: torch.Tensor | np.ndarray) -> tuple[int, int] | None:
-        ptr = t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
-        for slab_id, (base, slot_size, nslots) in self._bases.items():
-            if base <= ptr < base + slot_size * nslots:
-                return (slab_id, (ptr - base) // slot_size)
-        return None
+    def _forget(self, lease: Lease) -> None:
+        del self._live[id(lease)]
+        by_key = self._by_key
+        for k in lease.keys:
+            if by_key.get(k) is lease:
+                del by_key[k]
+
+    def release_early(self, batch: Any) -> int:
+        """Return the slots of ``batch`` now, whatever views remain. Returns how many; 0 for a
+        batch released before (its generation has moved on) or holding no slot."""
+        self.drain()
+        n = 0
+        for obj in _leaves_in(batch):
+            key, ptr = _key_of(obj)
+            lease = self._by_key.get(key)
+            if lease is None or id(lease) not in self._live or not lease.lo <= ptr < lease.hi:
+                continue
+            self._forget(lease)
+            n += self.arena.release(lease.slot)
+        return n
 
 
-def _tensors_in(obj: Any) -> list[torch.Tensor | np.ndarray]:
+def _key_of(obj: torch.Tensor | np.ndarray) -> tuple[int, int]:
+    """The lease key of a view (its storage, or its keep-alive memoryview) and its address."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage()._cdata, obj.data_ptr()
+    ptr = int(obj.ctypes.data)
+    base: Any = obj
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, torch.Tensor):
+        return base.untyped_storage()._cdata, ptr
+    return id(base), ptr
+
+
+def _leaves_in(obj: Any) -> list[torch.Tensor | np.ndarray]:
     """Tensors and arrays reachable through dicts, lists, tuples and object attributes."""
     out: list[torch.Tensor | np.ndarray] = []
     stack, seen = [obj], set()

@@ -113,29 +113,39 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.check_worker_number_rationality()
         return ShmDataLoaderIter(self, self._host_for)
 
-    def _host_for(self, it: ShmDataLoaderIter) -> ArenaHost:
-        if self._host is None:
+    def _host_for(self, pin: bool, pin_device: str | None) -> ArenaHost:
+        """This loader's arena in this process: made on first use, and made anew in a process
+        other than the one that made it (a fork of the main process), never shared."""
+        if self._host is None or not self._host.here:
             opts = self.arena_options
             nw = self.num_workers
             self._host = ArenaHost(
                 backend=opts.backend,
                 max_bytes=opts.max_bytes,
                 slots_per_slab=opts.slots_per_slab or ((self.prefetch_factor or 2) * nw + 1),
-                pin=it._pin_memory,
-                pin_device=it._pin_memory_device,
+                pin=pin,
+                pin_device=pin_device,
             )
         return self._host
 
     def __iter__(self) -> Any:
-        # A persistent iterator whose workers died is replaced instead of reset.
+        # A persistent iterator whose workers died, or one inherited through fork() (its
+        # workers are the parent's), is replaced instead of reset.
         it = self._iterator
-        if isinstance(it, ShmDataLoaderIter) and it.failure is not None:
+        if isinstance(it, ShmDataLoaderIter) and (it.failure is not None or not it.here):
             self._iterator = None
         return super().__iter__()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A loader pickled into another process takes no arena, iterator or workers along.
+        state = self.__dict__.copy()
+        state["_host"] = None
+        state["_iterator"] = None
+        return state
 
     def stats(self) -> LoaderStats:
         """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids,
         for the most recent multi-worker iterator (all zero before the first one)."""
-        if self._host is None:
+        if self._host is None or not self._host.here:
             return LoaderStats(None, 0, 0, ())
         return self._host.snapshot()

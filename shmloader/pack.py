@@ -73,6 +73,14 @@ class Packed:
         """Bytes of a slot that holds every leaf and the payload, laid out afresh."""
         return SlotWriter.size_of([leaf.nbytes for leaf in self.leaves] + [len(self.payload)])
 
+    def detach(self) -> None:
+        """Copy the leaves that live in the slot out of it, so the batch can be laid out again
+        in the same slot (a scratch buffer made it overflow, yet the batch fits)."""
+        for leaf in self.leaves:
+            if leaf.offset is not None and leaf.nbytes:
+                leaf.obj = leaf.obj.clone()
+                leaf.offset = None
+
     def describe(self, ref: SlotRef) -> Descriptor:
         """The descriptor of a batch that fit its slot."""
         if not self.fits or self.payload_offset is None:
@@ -118,7 +126,7 @@ class Packed:
             code = DTYPE_CODE.get(obj.dtype.name)
             if code is None or not DTYPES[code][2] or obj.dtype.byteorder == ">":
                 return None
-            kind, tensor = NDARRAY, torch.from_numpy(np.ascontiguousarray(obj))
+            kind, tensor = NDARRAY, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
         else:
             return None
         key = id(obj)

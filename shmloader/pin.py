@@ -9,7 +9,8 @@ If registration fails (locked-memory limits, a driver without support), the pinn
 torch's per-batch pinning copy and warns once, saying why.
 
 Invariants:
-- Each slab is registered at most once and unregistered exactly once (at :meth:`Pinner.close`).
+- Each slab is registered at most once and unregistered exactly once (when the arena gives it
+  back, :meth:`Pinner.unregister`, or at :meth:`Pinner.close`).
 - ``pinned_bytes`` is the sum of the sizes of registered slabs.
 - The registrar is a seam (:class:`Registrar`): tests pass a fake that records calls.
 """
@@ -65,7 +66,7 @@ class Pinner:
         self.fallback = False
         self.pinned_bytes = 0
         self._registrar = registrar
-        self._chunks: list[int] = []
+        self._chunks: dict[int, tuple[list[int], int]] = {}  # slab id -> (chunk pointers, bytes)
         self._slabs: set[int] = set()
 
     def register(self, slab: Slab) -> None:
@@ -94,8 +95,16 @@ class Pinner:
                 stacklevel=2,
             )
             return
-        self._chunks += done
+        self._chunks[slab.slab_id] = (done, slab.size)
         self.pinned_bytes += slab.size
+
+    def unregister(self, slab_id: int) -> None:
+        """Unlock one slab before the arena gives it back. A no-op for a slab never pinned."""
+        chunks, nbytes = self._chunks.pop(slab_id, ([], 0))
+        for ptr in chunks:
+            if self._registrar is not None:
+                self._registrar.unregister(ptr)
+        self.pinned_bytes -= nbytes
 
     def pin(self, batch: Any) -> Any:
         """The batch as the user gets it, through torch's own pinning walk: custom types'
@@ -108,8 +117,6 @@ class Pinner:
 
     def close(self) -> None:
         """Unregister every chunk. Idempotent."""
-        chunks, self._chunks = self._chunks, []
-        for ptr in chunks:
-            if self._registrar is not None:
-                self._registrar.unregister(ptr)
+        for slab_id in list(self._chunks):
+            self.unregister(slab_id)
         self.pinned_bytes = 0

@@ -14,6 +14,8 @@ Invariants:
 - Device tensors handed out are marked as used by the consumer stream (``record_stream``), so the
   caching allocator does not reuse their memory while the consumer still reads them.
 - The CUDA calls sit behind :class:`CopyEngine`; tests pass a fake that records calls.
+- On a ``cpu`` device it is a pass-through (the loader's batches, unchanged); a ``cuda`` device on
+  a machine without CUDA is an error at construction, not at the first batch.
 """
 
 from __future__ import annotations
@@ -86,15 +88,32 @@ class DevicePrefetcher:
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        kind = torch.device(device).type
+        if engine is None and kind not in ("cpu", "cuda"):
+            raise ValueError(
+                f"DevicePrefetcher copies to 'cuda' devices (or passes batches through on 'cpu'), "
+                f"got device {device!r}"
+            )
+        if engine is None and kind == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"DevicePrefetcher(device={device!r}) needs CUDA, and torch reports none "
+                "(torch.cuda.is_available() is False); pass device='cpu' to iterate the loader "
+                "unchanged, or run where a GPU is visible."
+            )
         self.loader = loader
         self.device = device
         self.depth = depth
         self._engine = engine
+        # On the CPU there is nothing to copy: the loader's batches pass through unchanged.
+        self._passthrough = engine is None and kind == "cpu"
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        if self._passthrough:
+            yield from self.loader
+            return
         engine = self._engine or CudaCopyEngine(self.device)
         source = iter(self.loader)
         in_flight: deque[tuple[Any, Any, Event]] = deque()  # (host, device, event)

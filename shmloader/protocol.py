@@ -1,27 +1,36 @@
 """Typed messages between the main process and one worker, and their byte encoding.
 
 Every message is one ``bytes`` frame on that worker's duplex pipe. Its first byte is a
-:class:`Kind`; the rest is fixed ``struct`` fields, followed for some kinds by one pickle (a
-sampler index, an exception, a slab spec). The hot-path frames (``TASK``, ``READY``) carry no
-pickle apart from the index.
+:class:`Kind`; the rest is fixed ``struct`` fields, followed for some kinds by one pickle (an
+exception, a slab spec) or raw bytes (a batch's indices, a batch's layout).
 
-Main -> worker: ``TASK`` (fetch this index into this slot — or into no slot yet, when none was
-free at dispatch), ``GRANT`` (the slot for a task: offered as soon as one frees up, or the bigger
-slot an oversized batch asked for), ``DENY`` (that slot can never exist: the batch is larger
-than the arena's cap; the main process raises the error, the worker moves on), ``ATTACH`` (map
-a new slab), ``RESUME`` (a new epoch begins), ``STOP`` (exit).
-Worker -> main: ``READY`` (the batch is in the slot; a descriptor follows), ``NEED_SLOT`` (the
-batch needs ``nbytes``; the worker waits for a ``GRANT``), ``FAILED`` (dataset or collate
-raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the task
-belongs to an epoch that a later ``RESUME`` abandoned: fetched, as torch does, but its slot was
-not touched).
+Main -> worker: ``TASK`` (fetch this index into this slot -- or into no slot yet, when none was
+free at dispatch), ``GRANT`` (the slot for a task: offered as soon as one frees up, or the answer
+to a ``NEED_SLOT``), ``DENY`` (that slot can never exist: the batch is larger than the arena's
+cap; the main process raises the error, the worker moves on), ``ATTACH`` (map a new slab),
+``DETACH`` (unmap a slab the arena gave back), ``RESUME`` (a new epoch begins), ``STOP`` (exit).
+Worker -> main: ``READY`` (the batch is in the slot; its layout follows), ``NEED_SLOT`` (the
+batch needs ``nbytes``; the worker waits for ``GRANT`` or ``DENY``), ``FAILED`` (dataset or
+collate raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the
+task belongs to an epoch that a later ``RESUME`` abandoned: fetched, as torch does, but its slot
+was not touched).
+
+A task's index travels as raw little-endian int64 when it is a :class:`PackedIndices` (the fast
+sampler path, :mod:`shmloader.sampling`: the worker gets a ``list`` of ``int``, as torch's batch
+sampler gives) and pickled otherwise.
+
+A ``READY`` frame is ``_READY`` + the batch's :class:`~arena.Descriptor` bytes. The descriptor's
+bytes after its slot reference (``LAYOUT_AT``) are the batch's *layout*: equal layouts describe
+batches with the same arrays at the same offsets, which the main process rebuilds from a cached
+template (:mod:`shmloader.rebuild`) without decoding the descriptor again.
 
 Invariants: frames of one worker arrive in the order sent; every ``TASK`` is answered by exactly
 one of ``READY``, ``FAILED``, ``EXHAUSTED``, ``DROPPED``, or a ``NEED_SLOT`` the worker then
-abandons because a ``RESUME`` or ``STOP`` came instead of the ``GRANT`` — unless the worker is
-told to ``STOP``, dies, or its replica is already exhausted (then it answers nothing and the main
-process reclaims the slot). ``epoch`` tags let the main process release the slots of tasks of an
-abandoned epoch as their answers arrive.
+abandons because a ``RESUME`` or ``STOP`` came instead of the answer -- unless the worker is told
+to ``STOP``, dies, or its replica is already exhausted (then it answers nothing and the main
+process reclaims the slot). Every ``NEED_SLOT`` is answered by ``GRANT`` (possibly of the slot
+the task already has) or ``DENY``, unless its epoch was abandoned. ``epoch`` tags let the main
+process release the slots of tasks of an abandoned epoch as their answers arrive.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import enum
 import pickle
 import struct
+from array import array
 from typing import Any, Final, NamedTuple
 
 from arena import Descriptor, SlabSpec, SlotRef
@@ -41,6 +51,7 @@ class Kind(enum.IntEnum):
     RESUME = 4
     STOP = 5
     DENY = 6
+    DETACH = 7
     READY = 16
     NEED_SLOT = 17
     FAILED = 18
@@ -48,22 +59,41 @@ class Kind(enum.IntEnum):
     DROPPED = 20
 
 
-# kind, seq, epoch, has_slot, slab_id, slot, generation
-_TASK: Final = struct.Struct("<BQIBIII")
+class IndexCoding(enum.IntEnum):
+    PICKLE = 0
+    INT64 = 1
+
+
+class PackedIndices(bytes):
+    """A batch of sampler indices as little-endian int64 bytes (from :mod:`shmloader.sampling`);
+    the worker receives it as a ``list`` of ``int``."""
+
+    __slots__ = ()
+
+
+# kind, seq, epoch, has_slot, slab_id, slot, generation, index coding
+_TASK: Final = struct.Struct("<BQIBIIIB")
 # kind, seq, epoch, worker_id (+ descriptor)
 _READY: Final = struct.Struct("<BQII")
-# kind, seq, epoch, worker_id, nbytes
-_NEED: Final = struct.Struct("<BQIIQ")
+# the descriptor's leading slab_id, slot, generation (arena._layout.DESC_HEAD's first fields)
+_REF: Final = struct.Struct("<III")
+# where a READY frame's layout starts: after _READY and the descriptor's (slab, slot, generation)
+LAYOUT_AT: Final = _READY.size + _REF.size
+# kind, seq, epoch, worker_id, nbytes, has_slot, slab_id, slot, generation (the slot it has)
+_NEED: Final = struct.Struct("<BQIIQBIII")
 # kind, seq, epoch, slab_id, slot, generation
 _GRANT: Final = struct.Struct("<BQIIII")
 # kind, epoch
 _RESUME: Final = struct.Struct("<BI")
 # kind, seq, epoch
 _DENY: Final = struct.Struct("<BQI")
+# kind, slab_id
+_DETACH: Final = struct.Struct("<BI")
 # kind, seq, epoch, worker_id (+ pickle)
 _EVENT: Final = struct.Struct("<BQII")
 _KIND: Final = struct.Struct("<B")
 _PICKLE = pickle.HIGHEST_PROTOCOL
+_NO_SLOT: Final = (0, 0, 0, 0)
 
 
 class Task(NamedTuple):
@@ -83,6 +113,10 @@ class Attach(NamedTuple):
     spec: SlabSpec
 
 
+class Detach(NamedTuple):
+    slab_id: int
+
+
 class Resume(NamedTuple):
     epoch: int
     shared_seed: int | None
@@ -98,10 +132,13 @@ class Deny(NamedTuple):
 
 
 class Ready(NamedTuple):
+    """A batch is in ``ref``; ``frame`` is the whole READY frame (see :func:`descriptor`)."""
+
     seq: int
     epoch: int
     worker_id: int
-    desc: Descriptor
+    ref: SlotRef
+    frame: bytes
 
 
 class NeedSlot(NamedTuple):
@@ -109,6 +146,7 @@ class NeedSlot(NamedTuple):
     epoch: int
     worker_id: int
     nbytes: int
+    ref: SlotRef | None  # the slot the worker has for the task (None: none yet)
 
 
 class Failed(NamedTuple):
@@ -130,24 +168,40 @@ class Dropped(NamedTuple):
     worker_id: int
 
 
-ToWorker = Task | Grant | Attach | Resume | Stop | Deny
+ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny
 ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped
+
+
+def ready(seq: int, epoch: int, worker_id: int, desc: Descriptor) -> bytes:
+    """The READY frame for a batch described by ``desc`` (the worker's hot path)."""
+    return _READY.pack(Kind.READY, seq, epoch, worker_id) + desc.encode()
+
+
+def descriptor(msg: Ready) -> Descriptor:
+    """The full descriptor a READY frame carries (decoded on demand: cached layouts skip it)."""
+    return Descriptor.decode(msg.frame, _READY.size)
+
+
+def layout(msg: Ready) -> bytes:
+    """The layout bytes of a READY frame: equal for batches laid out alike in any slot."""
+    return msg.frame[LAYOUT_AT:]
 
 
 def encode(msg: ToWorker | ToMain) -> bytes:
     """One frame for ``msg``."""
     if isinstance(msg, Task):
         r = msg.ref
-        head = (
-            _TASK.pack(Kind.TASK, msg.seq, msg.epoch, 1, r.slab_id, r.slot, r.generation)
-            if r is not None
-            else _TASK.pack(Kind.TASK, msg.seq, msg.epoch, 0, 0, 0, 0)
-        )
+        slot = _NO_SLOT if r is None else (1, r.slab_id, r.slot, r.generation)
+        if type(msg.index) is PackedIndices:
+            return _TASK.pack(Kind.TASK, msg.seq, msg.epoch, *slot, IndexCoding.INT64) + msg.index
+        head = _TASK.pack(Kind.TASK, msg.seq, msg.epoch, *slot, IndexCoding.PICKLE)
         return head + pickle.dumps(msg.index, _PICKLE)
     if isinstance(msg, Ready):
-        return _READY.pack(Kind.READY, msg.seq, msg.epoch, msg.worker_id) + msg.desc.encode()
+        return msg.frame
     if isinstance(msg, NeedSlot):
-        return _NEED.pack(Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes)
+        r = msg.ref
+        slot = _NO_SLOT if r is None else (1, r.slab_id, r.slot, r.generation)
+        return _NEED.pack(Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes, *slot)
     if isinstance(msg, Grant):
         r = msg.ref
         return _GRANT.pack(Kind.GRANT, msg.seq, msg.epoch, r.slab_id, r.slot, r.generation)
@@ -160,6 +214,8 @@ def encode(msg: ToWorker | ToMain) -> bytes:
         return _EVENT.pack(Kind.DROPPED, msg.seq, msg.epoch, msg.worker_id)
     if isinstance(msg, Attach):
         return _KIND.pack(Kind.ATTACH) + pickle.dumps(msg.spec, _PICKLE)
+    if isinstance(msg, Detach):
+        return _DETACH.pack(Kind.DETACH, msg.slab_id)
     if isinstance(msg, Resume):
         return _RESUME.pack(Kind.RESUME, msg.epoch) + pickle.dumps(msg.shared_seed, _PICKLE)
     if isinstance(msg, Stop):
@@ -174,14 +230,19 @@ def decode(frame: bytes) -> ToWorker | ToMain:
     kind = frame[0]
     if kind == Kind.READY:
         _, seq, epoch, wid = _READY.unpack_from(frame)
-        return Ready(seq, epoch, wid, Descriptor.decode(frame, _READY.size))
+        return Ready(seq, epoch, wid, SlotRef._make(_REF.unpack_from(frame, _READY.size)), frame)
     if kind == Kind.TASK:
-        _, seq, epoch, has, slab_id, slot, gen = _TASK.unpack_from(frame)
-        ref = SlotRef(slab_id, slot, gen) if has else None
-        return Task(seq, epoch, ref, pickle.loads(memoryview(frame)[_TASK.size :]))
+        _, seq, epoch, has, slab_id, slot, gen, coding = _TASK.unpack_from(frame)
+        task_ref = SlotRef(slab_id, slot, gen) if has else None
+        body = memoryview(frame)[_TASK.size :]
+        if coding == IndexCoding.INT64:
+            indices = array("q")
+            indices.frombytes(body)
+            return Task(seq, epoch, task_ref, indices.tolist())
+        return Task(seq, epoch, task_ref, pickle.loads(body))
     if kind == Kind.NEED_SLOT:
-        _, seq, epoch, wid, nbytes = _NEED.unpack_from(frame)
-        return NeedSlot(seq, epoch, wid, nbytes)
+        _, seq, epoch, wid, nbytes, has, slab_id, slot, gen = _NEED.unpack_from(frame)
+        return NeedSlot(seq, epoch, wid, nbytes, SlotRef(slab_id, slot, gen) if has else None)
     if kind == Kind.GRANT:
         _, seq, epoch, slab_id, slot, gen = _GRANT.unpack_from(frame)
         return Grant(seq, epoch, SlotRef(slab_id, slot, gen))
@@ -196,6 +257,8 @@ def decode(frame: bytes) -> ToWorker | ToMain:
         return Dropped(seq, epoch, wid)
     if kind == Kind.ATTACH:
         return Attach(pickle.loads(memoryview(frame)[_KIND.size :]))
+    if kind == Kind.DETACH:
+        return Detach(_DETACH.unpack_from(frame)[1])
     if kind == Kind.RESUME:
         _, epoch = _RESUME.unpack_from(frame)
         return Resume(epoch, pickle.loads(memoryview(frame)[_RESUME.size :]))
@@ -205,3 +268,4 @@ def decode(frame: bytes) -> ToWorker | ToMain:
         _, seq, epoch = _DENY.unpack_from(frame)
         return Deny(seq, epoch)
     raise ValueError(f"unknown message kind {kind} in a frame of {len(frame)} bytes")
+

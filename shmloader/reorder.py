@@ -20,13 +20,18 @@ from arena import SlotRef
 A = TypeVar("A")
 
 
-@dataclass
+@dataclass(slots=True)
 class TaskInfo(Generic[A]):
     seq: int
     worker_id: int
     ref: SlotRef | None  # the slot the batch is (to be) written in
-    spare: SlotRef | None = None  # a too-small slot, released once the answer arrives
+    spares: list[SlotRef] | None = None  # too-small slots, released once the answer arrives
     answer: A | None = None
+
+    def slots(self) -> list[SlotRef]:
+        """Every slot the task holds."""
+        out = [] if self.ref is None else [self.ref]
+        return out + self.spares if self.spares else out
 
 
 class TaskTable(Generic[A]):

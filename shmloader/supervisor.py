@@ -8,21 +8,41 @@ Invariants:
   terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
 - A worker told to retire (its IterableDataset replica is exhausted) is expected to exit; its
   exit is not an error.
+- Workers belong to the process that started them: after an ``os.fork()`` of the main process
+  the child forgets them (it neither stops nor reaps its parent's workers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing.process
+import os
 import pickle
 import select
 import signal
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from shmloader import protocol as P
 from shmloader.worker import WorkerConfig, worker_main
+
+# Every worker process object this process started. A plain os.fork() of the main process copies
+# multiprocessing's list of children, and a child that exits normally would then terminate the
+# parent's daemon workers; the fork hook below makes the child forget them.
+_started: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _forget_inherited_workers() -> None:
+    children = multiprocessing.process._children  # type: ignore[attr-defined]
+    for proc in list(_started):
+        children.discard(proc)
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_workers)
 
 JOIN_S = 1.0  # how long teardown waits for a worker to exit after STOP before terminating it
 KILL_S = 2.0  # how long it waits after SIGTERM before SIGKILL
@@ -80,6 +100,7 @@ class Supervisor:
                 finally:
                     child.close()
                 self.procs.append(proc)
+                _started.add(proc)
         except BaseException:
             self.shutdown()
             raise

@@ -5,9 +5,11 @@ Loop states (one dispatch over commands)::
     start: seed, init_fn, fetcher --> IDLE
     IDLE --TASK--> FETCH --> PACK --fits its slot--> READY sent --> IDLE
                               |
+                              +--overflowed, but fits its slot--> lay out again there --> READY
                               +--no slot / too small--> NEED_SLOT sent --GRANT--> lay out --> READY
                                                                   --DENY / RESUME / STOP--> drop
     IDLE --RESUME--> fresh fetcher --> IDLE      IDLE --stale TASK--> fetch --> DROPPED sent
+    any --ATTACH / DETACH--> map / unmap a slab (applied as soon as read)
     IDLE --STOP or EOF--> exit
 
 A task sent without a slot first takes a GRANT the main process already offered for it, if one
@@ -42,7 +44,7 @@ from typing import Any
 
 import torch
 
-from arena import Slab, SlabSpec, SlotRef
+from arena import Descriptor, Slab, SlabSpec, SlotRef
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     ITERABLE_KIND,
@@ -193,6 +195,10 @@ class _Worker:
                 if not _alive(self.cfg.main_pid):
                     return P.Stop()  # the main process is gone: nothing left to load for
                 raise
+        elif isinstance(msg, P.Detach):
+            slab = self.slabs.pop(msg.slab_id, None)
+            if slab is not None:
+                slab.close()
         elif isinstance(msg, P.Grant):
             self.grants[(msg.epoch, msg.seq)] = msg.ref
         elif isinstance(msg, P.Deny):
@@ -208,7 +214,7 @@ class _Worker:
         frames are waiting, without blocking)."""
         while (epoch, seq) not in self.grants and self.conn.poll(0):
             msg = self.read()
-            if not isinstance(msg, P.Attach | P.Grant | P.Deny):
+            if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq), None)
 
@@ -217,6 +223,9 @@ class _Worker:
 
     def send(self, msg: P.ToMain) -> None:
         self.conn.send_bytes(P.encode(msg))
+
+    def ready(self, task: P.Task, desc: Descriptor) -> None:
+        self.conn.send_bytes(P.ready(task.seq, task.epoch, self.cfg.worker_id, desc))
 
     def run(self) -> None:
         while True:
@@ -236,7 +245,7 @@ class _Worker:
                     self._apply_shared_seed(msg.shared_seed)
                 if self.init_error is None:
                     self.make_fetcher()
-            # ATTACH, GRANT and DENY were recorded when read.
+            # ATTACH, DETACH, GRANT and DENY were applied when read.
 
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's
@@ -263,8 +272,9 @@ class _Worker:
             self.send(P.Failed(task.seq, task.epoch, wid, self.init_error))
             return
         ref = task.ref or self.take_grant(task.epoch, task.seq)
+        slot = self.slot(ref)
         try:
-            with SlotSession(self.slot(ref)) as session:
+            with SlotSession(slot) as session:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
                 del data
@@ -280,20 +290,28 @@ class _Worker:
             self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
             return
         try:
+            overflowed = not packed.fits and not packed.session.planned
+            if ref is not None and slot is not None and overflowed and packed.needed <= len(slot):
+                packed.detach()  # a scratch buffer overflowed, yet the batch fits its slot
+                self.ready(task, packed.write_into(ref, slot))
+                return
             while ref is None or not packed.fits:
                 # No slot yet, or too small: ask, then lay the batch out in the slot granted.
-                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed))
-                ref = self.wait_grant(task.epoch, task.seq)
-                if ref is None:
+                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed, ref))
+                granted = self.wait_grant(task.epoch, task.seq)
+                if granted is None:
                     return  # denied (can never fit the arena), epoch abandoned, or teardown
-                big = self.slabs[ref.slab_id].slot_buffer(ref.slot)
+                slot = self.slabs[granted.slab_id].slot_buffer(granted.slot)
                 if packed.session.planned:  # collate the same samples again, into the slot
-                    with SlotSession(big) as session:
+                    with SlotSession(slot) as session:
                         packed = Packed(session, self.collator(self.collator.samples))
-                elif len(big) >= packed.needed:
-                    self.send(P.Ready(task.seq, task.epoch, wid, packed.write_into(ref, big)))
+                elif len(slot) >= packed.needed:
+                    if granted == ref:
+                        packed.detach()  # laid out again in its own slot
+                    self.ready(task, packed.write_into(granted, slot))
                     return
-            self.send(P.Ready(task.seq, task.epoch, wid, packed.describe(ref)))
+                ref = granted
+            self.ready(task, packed.describe(ref))
         # User code failed: forward it to the main process, as torch does.
         except Exception:  # noqa: BLE001
             self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
@@ -311,7 +329,7 @@ class _Worker:
             if any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
                 return None
             msg = self.read()
-            if not isinstance(msg, P.Attach | P.Grant | P.Deny):
+            if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq))
 

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from arena import SlotState
+from shmloader import protocol as P
 from shmloader.collate import SlotSession, slot_default_collate
 from shmloader.lease import Leases
 from shmloader.pack import Packed
@@ -24,7 +25,7 @@ def _roundtrip(arena, batch, nbytes=1 << 16):
         arena.release(ref)
         ref = big
     arena.mark_ready(ref)
-    return Leases(arena), desc, ref
+    return Leases(arena), P.decode(P.ready(0, 0, 0, desc)), ref
 
 
 def test_a_nested_batch_comes_back_equal_with_tensors_as_views(arena):
@@ -59,8 +60,11 @@ def test_the_slot_is_free_only_after_the_last_view_dies(arena):
     gc.collect()
     assert arena.state(ref) is SlotState.LENT and leases.held == 1
     del part
+    leases.drain()
     assert arena.state(ref) is SlotState.LENT
     del arr
+    assert arena.state(ref) is SlotState.LENT  # the death is queued, not acted on in the GC
+    leases.drain()
     assert arena.state(ref) is SlotState.FREE and leases.held == 0
 
 
@@ -69,6 +73,7 @@ def test_a_clone_does_not_keep_the_slot(arena):
     out = leases.open(desc)
     keep = out.clone()
     del out
+    leases.drain()
     assert arena.state(ref) is SlotState.FREE
     assert torch.equal(keep, torch.arange(100))
 
@@ -76,7 +81,7 @@ def test_a_clone_does_not_keep_the_slot(arena):
 def test_a_batch_without_arrays_frees_its_slot_at_once(arena):
     leases, desc, ref = _roundtrip(arena, ["only", "strings"])
     assert leases.open(desc) == ["only", "strings"]
-    assert arena.state(ref) is SlotState.FREE
+    assert leases.held == 0 and arena.state(ref) is SlotState.FREE
 
 
 def test_an_oversized_batch_is_laid_out_again_in_a_bigger_slot(arena):
@@ -105,5 +110,6 @@ def test_release_early_returns_the_slot_while_views_live(arena):
     assert leases.release_early(out) == 1
     assert arena.state(ref) is SlotState.FREE
     assert leases.release_early(out) == 0
-    del out  # the finalizer already ran: nothing is released twice
+    del out  # the lease was forgotten: its death releases nothing twice
+    assert leases.drain() == 0
     assert arena.stats().slots_free == arena.stats().slots_total

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -21,14 +22,28 @@ DESC = Descriptor(REF, (ArraySpec(0, 8, (4, 3)), ArraySpec(64, 6, ())), 128, 33)
         P.Resume(3, 12345),
         P.Stop(),
         P.Deny(4, 1),
-        P.Ready(11, 2, 1, DESC),
-        P.NeedSlot(12, 0, 1, 1 << 33),
+        P.decode(P.ready(11, 2, 1, DESC)),
+        P.NeedSlot(12, 0, 1, 1 << 33, None),
+        P.NeedSlot(12, 0, 1, 1 << 33, REF),
+        P.Detach(7),
         P.Exhausted(13, 1, 0),
     ],
     ids=lambda m: type(m).__name__,
 )
 def test_every_message_survives_encode_and_decode(msg):
     assert P.decode(P.encode(msg)) == msg
+
+
+def test_a_ready_frame_names_the_slot_and_carries_the_whole_descriptor():
+    msg = P.decode(P.ready(11, 2, 1, DESC))
+    assert isinstance(msg, P.Ready) and (msg.seq, msg.epoch, msg.worker_id) == (11, 2, 1)
+    assert msg.ref == REF and P.descriptor(msg) == DESC
+
+
+def test_packed_indices_arrive_as_a_list_of_ints():
+    idx = P.PackedIndices(np.array([5, 0, 2**40], dtype="<i8").tobytes())
+    out = P.decode(P.encode(P.Task(1, 0, None, idx)))
+    assert out.index == [5, 0, 2**40] and all(type(i) is int for i in out.index)
 
 
 def test_failed_message_carries_the_exception_type_and_worker_traceback():
