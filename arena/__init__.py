@@ -9,7 +9,13 @@ with a :class:`Descriptor`; the owner views it in place with :func:`views`.
 from arena._layout import ALIGN, DTYPE_CODE, DTYPES, PAGE
 from arena.allocator import Arena, SlotRef, SlotState, default_max_bytes
 from arena.descriptor import ArraySpec, Descriptor
-from arena.errors import ArenaCapacityError, ArenaError, ArenaExhaustedError, StaleSlotError
+from arena.errors import (
+    ArenaCapacityError,
+    ArenaDescriptorError,
+    ArenaError,
+    ArenaExhaustedError,
+    StaleSlotError,
+)
 from arena.segment import Backend, Segment, SegmentSpec, mem_available_bytes, shm_free_bytes
 from arena.slab import Slab, SlabSpec
 from arena.stats import ArenaStats
@@ -23,6 +29,7 @@ __all__ = [
     "PAGE",
     "Arena",
     "ArenaCapacityError",
+    "ArenaDescriptorError",
     "ArenaError",
     "ArenaExhaustedError",
     "ArenaStats",

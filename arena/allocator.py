@@ -15,7 +15,9 @@ Invariants:
 - Size classes: a request that fits no existing class creates the class
   ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would pass
   the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
-  fitting class. ``acquire`` always prefers the smallest class that fits.
+  fitting class, with as many slots as that class has already (at least ``slots_per_slab``;
+  cut to the room under the cap), so a class grows geometrically. ``acquire`` always prefers
+  the smallest class that fits.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
 - Thread safety: every method takes one lock. The lock is never taken from a garbage-collector
@@ -35,7 +37,7 @@ import time
 from typing import NamedTuple
 
 from arena._layout import page_align
-from arena.errors import ArenaCapacityError, StaleSlotError
+from arena.errors import ArenaCapacityError, ArenaDescriptorError, StaleSlotError
 from arena.segment import Backend, mem_available_bytes
 from arena.slab import Slab
 from arena.stats import ArenaStats
@@ -159,10 +161,19 @@ class Arena:
             size = max(need, 2 * self._classes[-1]) if self._classes else need
             if size > room:
                 size = need
-        nslots = min(self.slots_per_slab, room // size)
+        # Another slab of a busy class doubles the class (at least slots_per_slab): a user who
+        # holds n batches costs O(log n) slabs, and so O(log n) descriptors, not n.
+        in_class = sum(len(self._states[sid]) for sid, sz in self._sizes.items() if sz == size)
+        nslots = min(max(self.slots_per_slab, in_class), room // size)
         if nslots < 1:
             return False
-        slab = Slab.create(next(self._ids), size, nslots, self.backend)
+        try:
+            slab = Slab.create(next(self._ids), size, nslots, self.backend)
+        except ArenaDescriptorError as e:
+            raise ArenaDescriptorError(
+                f"the arena holds {len(self._slabs)} descriptors ({len(self._slabs)} slabs of "
+                f"{sum(self._slots_by_state)} slots, {self._reserved:,} bytes). {e}"
+            ) from None
         self._slabs[slab.slab_id] = slab
         self._states[slab.slab_id] = [SlotState.FREE] * nslots
         self._gens[slab.slab_id] = [0] * nslots
@@ -209,6 +220,12 @@ class Arena:
         return self._slabs.pop(slab_id)
 
     # -- transitions ---------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        """How many slots are FREE (a counter read without the lock: a hint, exact when no
+        other thread uses the arena)."""
+        return self._slots_by_state[_FREE]
 
     def has_class_for(self, nbytes: int) -> bool:
         """Whether some slab's slots can hold ``nbytes`` (busy or not)."""

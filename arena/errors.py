@@ -17,3 +17,7 @@ class ArenaExhaustedError(ArenaError):
 
 class StaleSlotError(ArenaError):
     """A slot was released twice for the same generation, or used in a state that forbids it."""
+
+
+class ArenaDescriptorError(ArenaError):
+    """Another slab would leave the process without file descriptors (``ulimit -n``)."""

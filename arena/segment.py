@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import errno
 import itertools
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from arena.errors import ArenaCapacityError
+from arena.errors import ArenaCapacityError, ArenaDescriptorError
 
 SHM_DIR = "/dev/shm"
 _NAME_PREFIX = "/shmloader-"
@@ -97,24 +98,62 @@ def _capacity_error(nbytes: int, backend: Backend, cause: str) -> ArenaCapacityE
     )
 
 
-def _descriptor_error() -> RuntimeError:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+DESCRIPTOR_HEADROOM = 8  # descriptors left free for the rest of the process when making a slab
+
+
+def _open_descriptors() -> int:
     try:
-        open_fds = len(os.listdir("/proc/self/fd"))
+        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir itself holds
     except OSError:
-        open_fds = -1
-    return RuntimeError(
-        f"Too many open files: this process has {open_fds} descriptors open, at its limit "
-        f"`ulimit -n` = {soft}; the shmloader arena holds one per slab, and it needed another "
-        "slab because the batches you hold fill the ones it has. Fixes: raise the limit "
+        return -1
+
+
+def _check_descriptor_room() -> None:
+    """Raise the descriptor error before making a slab would leave the process none to spare."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and _open_descriptors() + DESCRIPTOR_HEADROOM >= soft:
+        raise _descriptor_error()
+
+
+def _descriptor_error() -> ArenaDescriptorError:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_fds = _open_descriptors()
+    return ArenaDescriptorError(
+        f"Too many open files: this process has {open_fds} descriptors open, too close to its "
+        f"limit `ulimit -n` = {soft} for another arena slab; the shmloader arena holds one "
+        "descriptor per slab here (its workers hold none), and it needs another slab because the "
+        "batches you hold fill the ones it has. Fixes: raise the limit "
         "(`ulimit -n 65536`, or resource.setrlimit(RLIMIT_NOFILE)), hold fewer batches (drop "
         "references, .clone() what you keep, shmloader.release(batch, loader)), or make each "
         "slab hold more batches (arena_slots_per_slab)."
     )
 
 
-def _nothing() -> None:
-    pass
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
+    """Map ``size`` bytes of ``fd`` shared and pre-faulted, as a ctypes array that unmaps itself
+    when the last object referring to it (every view made from it does) is gone.
+
+    Python's ``mmap.mmap`` keeps a duplicate of the descriptor for the mapping's life (until
+    Python 3.13's ``trackfd``): one descriptor per slab in every process. The kernel needs none
+    once the mapping exists, so this maps through libc instead."""
+    addr = _libc.mmap(
+        None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd, 0
+    )
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
+    array = (ctypes.c_char * size).from_address(addr)
+    weakref.finalize(array, _libc.munmap, addr, size)
+    return array
 
 
 def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
@@ -169,12 +208,12 @@ class Segment:
     # Class-level defaults make close() safe on a half-built object.
     _fd: int = -1
     _fd_closer: weakref.finalize | None = None  # type: ignore[type-arg]
-    _mmap: mmap.mmap | None = None
+    _mapping: ctypes.Array[ctypes.c_char] | None = None
 
     def __init__(
         self, fd: int, size: int, backend: Backend, owner_pid: int, owner_fd: int | None = None
     ) -> None:
-        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        self._mapping = _map(fd, size)
         # The owner's descriptor number: what any process reopens through /proc (an attacher's
         # own descriptor number means nothing in the owner's fd table).
         self.owner_fd = fd if owner_fd is None else owner_fd
@@ -186,11 +225,10 @@ class Segment:
             # An attacher needs no descriptor once mapped: one per slab per process would run
             # into `ulimit -n` when a user holds many batches.
             os.close(fd)
-            self._fd_closer = weakref.finalize(self, _nothing)
         self.size = size
         self.backend = backend
         self.owner_pid = owner_pid
-        self.buffer: memoryview = memoryview(self._mmap)
+        self.buffer: memoryview = memoryview(self._mapping).cast("B")
 
     @classmethod
     def create(cls, nbytes: int, backend: Backend | str = Backend.AUTO) -> Segment:
@@ -202,6 +240,7 @@ class Segment:
             raise _capacity_error(nbytes, chosen, "/dev/shm is too small")
         if chosen is Backend.MEMFD and nbytes > mem_available_bytes():
             raise _capacity_error(nbytes, chosen, "not enough available RAM")
+        _check_descriptor_room()
         try:
             if chosen is Backend.POSIX:
                 fd = _open_posix(nbytes)
@@ -246,17 +285,15 @@ class Segment:
 
     @property
     def closed(self) -> bool:
-        return self._mmap is None
+        return self._mapping is None
 
     def close(self) -> None:
-        """Unmap and close this process's handle. Idempotent; never unmaps under live views."""
-        if self._mmap is not None:
-            try:
+        """Close this process's handle. Idempotent. The mapping itself goes when the last view
+        of it does (never from under a live view)."""
+        if self._mapping is not None:
+            with contextlib.suppress(BufferError):  # views still export it: they keep it
                 self.buffer.release()
-                self._mmap.close()
-            except BufferError:
-                pass  # views still export it: the mapping dies with the last of them
-            self._mmap = None
+        self._mapping = None
         self._fd = -1
         if self._fd_closer is not None:
             self._fd_closer()

@@ -5,24 +5,26 @@ task to a slot of the loader's arena, as late as needed and no later.
 
 Task states (``TaskInfo``; ``seq`` numbers tasks of an epoch in sampler order)::
 
-    sent with a slot ---------------------------------------+--> answered --> yielded / raised
-    sent without one --offer (a slot freed up)--> has a slot -+
-          |                                                  |
-          +--NEED_SLOT (or too small) --grant/grow--> has a bigger slot (old one kept as a spare)
+    decided (torch's moment, torch's worker) --a slot is free--> sent with it --> answered
+        |                                          ^                  |            |
+        +--none free: unsent --a slot frees up-----+     NEED_SLOT (too small)     v
+        +--no batch size known yet: sent without one --> NEED_SLOT --GRANT--> yielded / raised
 
 Invariants:
 - Worker choice and timing are torch's: ``prefetch_factor * num_workers`` send attempts when an
   epoch starts, then one per batch yielded (and one per exhausted IterableDataset replica); each
   attempt draws one index and gives it to the next live worker in round-robin order (with
   ``in_order=False``, the next one below its share of tasks), or drops it when there is none.
-- A task takes a free slot of the largest batch size seen when it is sent; with none free it goes
-  without, and free slots are offered to waiting tasks in sampler order whenever one frees up.
+- A task takes a free slot of the largest batch size seen; with none free it waits, decided and
+  unsent, and free slots go to waiting tasks in sampler order whenever one frees up. So steady
+  state costs one TASK and one READY frame per batch, and no round trip.
 - Every NEED_SLOT is answered: GRANT of the task's own slot when the batch fits it, the grant
   already on its way when the worker had not seen it yet, or a bigger slot (GRANT) or DENY.
 - The arena grows only for the batch the consumer needs next (in sampler order, or any batch with
   ``in_order=False``) and only when its worker waits for a slot; at the cap, slabs whose slots are
   all free are given back first, then garbage is collected; ``ArenaExhaustedError`` only when
-  nothing else frees room, with exactly what the user holds.
+  nothing else frees room, with exactly what the user holds. At the cap, tasks not yet started
+  (queued behind a task their worker waits a slot for) give their slots back too (REVOKE).
 - Every slot a task holds is named once (``ref`` and ``spares``) and released exactly once: with
   the batch's lease, when its task fails or is skipped, when its answer belongs to an abandoned
   epoch (``orphans``), or at teardown.
@@ -70,7 +72,8 @@ class Dispatch:
         self.epoch = 0
         self.tasks: TaskTable[Answer] = TaskTable()
         self.arrived: deque[TaskInfo[Answer]] = deque()  # in_order=False: arrival order
-        self.wanting: dict[int, int] = {}  # seq -> bytes of a slot the task waits for
+        self.unsent: dict[int, Any] = {}  # seq -> index: decided, waiting for a free slot
+        self.wanting: dict[int, int] = {}  # seq -> bytes of a slot a sent task waits for
         self.asked: set[int] = set()  # seqs whose worker sent NEED_SLOT and waits
         # (epoch, seq) -> (worker, slots) of tasks of abandoned epochs not yet answered
         self.orphans: dict[tuple[int, int], tuple[int, list[SlotRef]]] = {}
@@ -84,7 +87,16 @@ class Dispatch:
     def new_epoch(self) -> None:
         """Abandon the current epoch: release what it holds; tasks still being written become
         orphans, released when their answer arrives (a worker never writes after answering)."""
+        for seq, index in self.unsent.items():
+            # torch's workers fetch every task sent to them, so decided tasks are still sent:
+            # the worker fetches them as stale (its RNG use stays torch's) and drops them.
+            info = self.tasks.get(seq)
+            if info is not None and self.status[info.worker_id]:
+                self.sup.send(info.worker_id, P.Task(seq, self.epoch, None, index))
+                self.orphans[(self.epoch, seq)] = (info.worker_id, [])
         for info in [*self.arrived, *self.tasks]:
+            if info.seq in self.unsent:
+                continue
             slots = info.slots()
             # A worker waiting for a slot abandons that task when it reads RESUME.
             if info.answer is None and self.status[info.worker_id] and info.seq not in self.asked:
@@ -94,6 +106,7 @@ class Dispatch:
         self.epoch += 1
         self.tasks = TaskTable()
         self.arrived = deque()
+        self.unsent = {}
         self.wanting = {}
         self.asked = set()
         self.status = [True] * self.num_workers
@@ -119,6 +132,14 @@ class Dispatch:
         self.tasks, self.arrived, self.orphans = TaskTable(), deque(), {}
         return out
 
+    def drop(self, seq: int) -> None:
+        """Forget a task that will never be answered; its slots go back."""
+        info = self.tasks.pop(seq)
+        self.unsent.pop(seq, None)
+        self.wanting.pop(seq, None)
+        self.asked.discard(seq)
+        self.release(info.slots())
+
     def release(self, slots: list[SlotRef]) -> None:
         for ref in slots:
             self.arena.release(ref)
@@ -139,18 +160,23 @@ class Dispatch:
         return None
 
     def put(self, index: Any) -> None:
-        """Send the task for ``index`` (drawn by the caller), or drop it as torch does when no
-        worker may take it."""
+        """Decide the task for ``index`` (drawn by the caller) as torch does -- or drop it when no
+        worker may take it -- and send it with a free slot. With none free it waits, decided,
+        until one frees up (the worker has other tasks queued meanwhile); only while no batch
+        size is known yet is it sent without a slot, for the worker to size it."""
         wid = self._pick_worker()
         if wid is None:
             return
-        largest = self.host.largest
-        ref = self._acquire(largest, grow=False) if largest else None
-        info = self.tasks.add(wid, ref)
+        info = self.tasks.add(wid, None)
         self.num_tasks[wid] += 1
-        self.sup.send(wid, P.Task(info.seq, self.epoch, ref, index))
+        largest = self.host.largest
+        # Tasks reach each worker in sampler order: behind a waiting task, a new one waits too.
+        ref = self._acquire(largest, grow=False) if largest and not self.unsent else None
         if ref is None and largest:
-            self.wanting[info.seq] = largest
+            self.unsent[info.seq] = index
+            return
+        info.ref = ref
+        self.sup.send(wid, P.Task(info.seq, self.epoch, ref, index))
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -162,28 +188,62 @@ class Dispatch:
         if cur is not None and msg.nbytes <= self.arena.slot_size(cur):
             self.sup.send(info.worker_id, P.Grant(info.seq, self.epoch, cur))
             return
-        self.host.largest = max(self.host.largest, msg.nbytes)
+        if cur is not None and not msg.keep:
+            self.arena.release(cur)  # nothing of the batch lives there: free it now
+            info.ref = None
         self.wanting[info.seq] = msg.nbytes
         self.asked.add(info.seq)
         self.offer()
+        if info.seq in self.wanting and not self.arena.has_class_for(msg.nbytes):
+            self._grow_for(info, msg.nbytes)  # a new size: nothing in use could ever fit it
 
     def offer(self) -> None:
-        """Give free slots to the tasks waiting for one, in sampler order."""
-        if not self.wanting:
+        """Give free slots to the tasks waiting for one, in sampler order: a decided task is
+        sent with its slot; a sent one that asked (or lost its slot) gets a GRANT."""
+        if not (self.unsent or self.wanting) or not self.arena.free_slots:
             return
-        for seq in sorted(self.wanting):
+        for seq in sorted([*self.unsent, *self.wanting]) if self.wanting else list(self.unsent):
             info = self.tasks.get(seq)
             if info is None or info.answer is not None:
-                del self.wanting[seq]
+                self.unsent.pop(seq, None)
+                self.wanting.pop(seq, None)
                 self.asked.discard(seq)
                 continue
+            # Tasks that have not asked take the largest size seen, which may have grown.
+            nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
             try:
-                ref = self._acquire(self.wanting[seq], grow=False)
+                ref = self._acquire(nbytes, grow=False)
             except ArenaCapacityError as e:
                 self._deny(info, e)
                 continue
-            if ref is not None:
-                self._grant(info, ref)
+            if ref is None:
+                if not self.arena.free_slots:
+                    return
+                continue
+            self._give(info, ref)
+
+    def _give(self, info: TaskInfo[Answer], ref: SlotRef) -> None:
+        # The largest batch size known grows only with a slot actually given: a batch too big
+        # for the arena never raises the size other tasks ask for.
+        self.host.largest = max(self.host.largest, self.wanting.get(info.seq, 0))
+        if info.seq in self.unsent:
+            info.ref = ref
+            index = self.unsent.pop(info.seq)
+            self.sup.send(info.worker_id, P.Task(info.seq, self.epoch, ref, index))
+        else:
+            self._grant(info, ref)
+
+    def _grow_for(self, info: TaskInfo[Answer], nbytes: int) -> bool:
+        """Grow the arena for ``info`` (within the cap); deny a batch that can never fit."""
+        try:
+            ref = self._acquire(nbytes, grow=True)
+        except ArenaCapacityError as e:
+            self._deny(info, e)
+            return True
+        if ref is None:
+            return False
+        self._give(info, ref)
+        return True
 
     def _grant(self, info: TaskInfo[Answer], ref: SlotRef) -> None:
         if info.ref is not None:
@@ -194,7 +254,7 @@ class Dispatch:
         self.sup.send(info.worker_id, P.Grant(info.seq, self.epoch, ref))
 
     def _deny(self, info: TaskInfo[Answer], exc: ArenaCapacityError) -> None:
-        del self.wanting[info.seq]
+        self.wanting.pop(info.seq, None)
         if info.seq in self.asked:
             self.asked.discard(info.seq)
             self.sup.send(info.worker_id, P.Deny(info.seq, self.epoch))
@@ -212,45 +272,64 @@ class Dispatch:
         return ref
 
     def blocked_on(self, active: Callable[[int], bool]) -> int | None:
-        """The task the consumer needs next, if its worker waits for a slot: nothing moves
-        until it gets one."""
-        if not self.asked:
+        """The task the consumer needs next, if it cannot move without a slot: its worker asked
+        for one, or it is decided and not sent for want of one."""
+        if not (self.asked or self.unsent):
             return None
         if self.in_order:
             nxt = self.tasks.next_in_order(active)
-            return nxt.seq if nxt is not None and nxt.seq in self.asked else None
+            if nxt is None or (nxt.seq not in self.asked and nxt.seq not in self.unsent):
+                return None
+            return nxt.seq
         if self.arrived:
             return None
-        waiting_workers = {self.tasks.get(s).worker_id for s in self.asked}  # type: ignore[union-attr]
-        busy = {i.worker_id for i in self.tasks if i.answer is None and active(i.worker_id)}
-        return min(self.asked) if busy <= waiting_workers else None
+        stuck = self.asked | set(self.unsent)
+        first: dict[int, int] = {}  # worker -> its first unanswered task: the one it works on
+        for i in self.tasks:
+            if i.answer is None and active(i.worker_id) and i.worker_id not in first:
+                first[i.worker_id] = i.seq
+        if any(seq not in stuck for seq in first.values()):
+            return None  # a worker is busy: its answer will come
+        return min(stuck)
 
     def unblock(self, seq: int) -> None:
         """Find a slot for task ``seq``: grow the arena; at its cap give back idle slabs of other
         sizes; then collect garbage (views caught in reference cycles); else raise."""
         info = self.tasks.get(seq)
         assert info is not None
-        nbytes = self.wanting[seq]
+        nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
         for step in ("drain", "grow", "give back", "collect"):
             if step == "give back":
+                self._revoke_unstarted()
                 for slab_id in self.arena.give_back_idle():
                     self._forget_slab(slab_id)
             elif step == "collect":
                 gc.collect()
             if leases.drain():
                 self.offer()
-                if seq not in self.wanting:
+                if seq not in self.wanting and seq not in self.unsent:
                     return
-            try:
-                ref = self._acquire(nbytes, grow=step != "drain")
-            except ArenaCapacityError as e:
-                self._deny(info, e)
-                return
-            if ref is not None:
-                self._grant(info, ref)
+            if step != "drain" and self._grow_for(info, nbytes):
                 return
         raise self._exhausted(seq, nbytes)
+
+    def _revoke_unstarted(self) -> None:
+        """Take back the slots of tasks their workers have not started: a worker runs its tasks
+        in order, so every task after the one it waits a slot for is untouched. They ask again
+        when their turn comes, for a slot of the size batches have now."""
+        waiting: dict[int, int] = {}
+        for seq in self.asked:
+            wid = self.tasks.get(seq).worker_id  # type: ignore[union-attr]
+            waiting[wid] = min(seq, waiting.get(wid, seq))
+        for info in self.tasks:
+            first = waiting.get(info.worker_id)
+            if first is None or info.seq <= first or info.ref is None or info.answer is not None:
+                continue
+            self.arena.release(info.ref)
+            info.ref = None
+            self.wanting[info.seq] = self.host.largest
+            self.sup.send(info.worker_id, P.Revoke(info.seq, self.epoch))
 
     def _forget_slab(self, slab_id: int) -> None:
         self._known_slabs.discard(slab_id)
@@ -293,6 +372,7 @@ class Dispatch:
             return self.arrived.popleft() if self.arrived else None
         info = self.tasks.next_in_order(active)
         for skipped in self.tasks.skipped():
+            self.unsent.pop(skipped.seq, None)
             self.release(skipped.slots())
         if info is not None and info.answer is not None:
             return self.tasks.take_next()

@@ -181,6 +181,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         d = self._dispatch
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
+            d.offer()  # slots freed by answers (spares, failures) since the last wait
             blocked = d.blocked_on(d.status.__getitem__)
             if blocked is not None:
                 d.unblock(blocked)
@@ -224,11 +225,11 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _exhausted(self, wid: int, info: TaskInfo[Any]) -> None:
         d = self._dispatch
-        d.release(d.tasks.pop(info.seq).slots())
+        d.drop(info.seq)
         d.status[wid] = False
         if not d.in_order:  # its later tasks will never be answered: nothing waits for them
             for later in [i for i in d.tasks if i.worker_id == wid and i.answer is None]:
-                d.release(d.tasks.pop(later.seq).slots())
+                d.drop(later.seq)
         if not self._persistent_workers:
             self._sup.retire(wid)
 

@@ -73,6 +73,14 @@ class Packed:
         """Bytes of a slot that holds every leaf and the payload, laid out afresh."""
         return SlotWriter.size_of([leaf.nbytes for leaf in self.leaves] + [len(self.payload)])
 
+    @property
+    def reads_slot(self) -> bool:
+        """Whether laying the batch out elsewhere reads leaves from the current slot (a planned
+        batch is collated again from its samples: it reads nothing there)."""
+        return not self.session.planned and any(
+            leaf.offset is not None and leaf.nbytes for leaf in self.leaves
+        )
+
     def detach(self) -> None:
         """Copy the leaves that live in the slot out of it, so the batch can be laid out again
         in the same slot (a scratch buffer made it overflow, yet the batch fits)."""
@@ -116,6 +124,7 @@ class Packed:
             if (
                 code is None
                 or obj.layout is not torch.strided
+                or obj.is_nested  # nested tensors report a strided layout, but have no one shape
                 or obj.device.type not in ("cpu", "meta")
                 or obj.requires_grad
                 or obj.is_conj()

@@ -8,7 +8,9 @@ Main -> worker: ``TASK`` (fetch this index into this slot -- or into no slot yet
 free at dispatch), ``GRANT`` (the slot for a task: offered as soon as one frees up, or the answer
 to a ``NEED_SLOT``), ``DENY`` (that slot can never exist: the batch is larger than the arena's
 cap; the main process raises the error, the worker moves on), ``ATTACH`` (map a new slab),
-``DETACH`` (unmap a slab the arena gave back), ``RESUME`` (a new epoch begins), ``STOP`` (exit).
+``DETACH`` (unmap a slab the arena gave back), ``REVOKE`` (a task the worker has not started
+loses the slot it was sent with: it asks for one when it gets there), ``RESUME`` (a new epoch
+begins), ``STOP`` (exit).
 Worker -> main: ``READY`` (the batch is in the slot; its layout follows), ``NEED_SLOT`` (the
 batch needs ``nbytes``; the worker waits for ``GRANT`` or ``DENY``), ``FAILED`` (dataset or
 collate raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the
@@ -52,6 +54,7 @@ class Kind(enum.IntEnum):
     STOP = 5
     DENY = 6
     DETACH = 7
+    REVOKE = 8
     READY = 16
     NEED_SLOT = 17
     FAILED = 18
@@ -79,13 +82,14 @@ _READY: Final = struct.Struct("<BQII")
 _REF: Final = struct.Struct("<III")
 # where a READY frame's layout starts: after _READY and the descriptor's (slab, slot, generation)
 LAYOUT_AT: Final = _READY.size + _REF.size
-# kind, seq, epoch, worker_id, nbytes, has_slot, slab_id, slot, generation (the slot it has)
-_NEED: Final = struct.Struct("<BQIIQBIII")
+# kind, seq, epoch, worker_id, nbytes, has_slot, slab_id, slot, generation (the slot it has),
+# keep (whether the worker still reads that slot)
+_NEED: Final = struct.Struct("<BQIIQBIIIB")
 # kind, seq, epoch, slab_id, slot, generation
 _GRANT: Final = struct.Struct("<BQIIII")
 # kind, epoch
 _RESUME: Final = struct.Struct("<BI")
-# kind, seq, epoch
+# kind, seq, epoch (DENY and REVOKE)
 _DENY: Final = struct.Struct("<BQI")
 # kind, slab_id
 _DETACH: Final = struct.Struct("<BI")
@@ -126,6 +130,11 @@ class Stop(NamedTuple):
     pass
 
 
+class Revoke(NamedTuple):
+    seq: int
+    epoch: int
+
+
 class Deny(NamedTuple):
     seq: int
     epoch: int
@@ -147,6 +156,7 @@ class NeedSlot(NamedTuple):
     worker_id: int
     nbytes: int
     ref: SlotRef | None  # the slot the worker has for the task (None: none yet)
+    keep: bool = True  # False: nothing of the batch lives in ``ref``; the worker never touches it
 
 
 class Failed(NamedTuple):
@@ -168,7 +178,7 @@ class Dropped(NamedTuple):
     worker_id: int
 
 
-ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny
+ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny | Revoke
 ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped
 
 
@@ -201,7 +211,9 @@ def encode(msg: ToWorker | ToMain) -> bytes:
     if isinstance(msg, NeedSlot):
         r = msg.ref
         slot = _NO_SLOT if r is None else (1, r.slab_id, r.slot, r.generation)
-        return _NEED.pack(Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes, *slot)
+        return _NEED.pack(
+            Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes, *slot, msg.keep
+        )
     if isinstance(msg, Grant):
         r = msg.ref
         return _GRANT.pack(Kind.GRANT, msg.seq, msg.epoch, r.slab_id, r.slot, r.generation)
@@ -222,6 +234,8 @@ def encode(msg: ToWorker | ToMain) -> bytes:
         return _KIND.pack(Kind.STOP)
     if isinstance(msg, Deny):
         return _DENY.pack(Kind.DENY, msg.seq, msg.epoch)
+    if isinstance(msg, Revoke):
+        return _DENY.pack(Kind.REVOKE, msg.seq, msg.epoch)
     raise TypeError(f"not a protocol message: {msg!r}")
 
 
@@ -241,8 +255,9 @@ def decode(frame: bytes) -> ToWorker | ToMain:
             return Task(seq, epoch, task_ref, indices.tolist())
         return Task(seq, epoch, task_ref, pickle.loads(body))
     if kind == Kind.NEED_SLOT:
-        _, seq, epoch, wid, nbytes, has, slab_id, slot, gen = _NEED.unpack_from(frame)
-        return NeedSlot(seq, epoch, wid, nbytes, SlotRef(slab_id, slot, gen) if has else None)
+        _, seq, epoch, wid, nbytes, has, slab_id, slot, gen, keep = _NEED.unpack_from(frame)
+        ref = SlotRef(slab_id, slot, gen) if has else None
+        return NeedSlot(seq, epoch, wid, nbytes, ref, bool(keep))
     if kind == Kind.GRANT:
         _, seq, epoch, slab_id, slot, gen = _GRANT.unpack_from(frame)
         return Grant(seq, epoch, SlotRef(slab_id, slot, gen))
@@ -267,5 +282,8 @@ def decode(frame: bytes) -> ToWorker | ToMain:
     if kind == Kind.DENY:
         _, seq, epoch = _DENY.unpack_from(frame)
         return Deny(seq, epoch)
+    if kind == Kind.REVOKE:
+        _, seq, epoch = _DENY.unpack_from(frame)
+        return Revoke(seq, epoch)
     raise ValueError(f"unknown message kind {kind} in a frame of {len(frame)} bytes")
 

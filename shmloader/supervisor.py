@@ -199,9 +199,8 @@ class Supervisor:
                 p.join(KILL_S)
         for c in self.conns:
             c.close()
-        for p in self.procs:
-            if p.exitcode is not None:
-                p.close()
+        # The process objects stay open: the iterator exposes them as torch's ``_workers``
+        # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
 
 
 def _start_error(e: Exception, cfg: WorkerConfig) -> Exception:

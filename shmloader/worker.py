@@ -10,6 +10,7 @@ Loop states (one dispatch over commands)::
                                                                   --DENY / RESUME / STOP--> drop
     IDLE --RESUME--> fresh fetcher --> IDLE      IDLE --stale TASK--> fetch --> DROPPED sent
     any --ATTACH / DETACH--> map / unmap a slab (applied as soon as read)
+    any --REVOKE--> a queued task forgets the slot it was sent with (it asks when it gets there)
     IDLE --STOP or EOF--> exit
 
 A task sent without a slot first takes a GRANT the main process already offered for it, if one
@@ -20,8 +21,9 @@ Invariants:
 - Seeding is torch's: ``seed = base_seed + worker_id`` for ``random`` and torch, NumPy from
   torch's ``_generate_state``; ``get_worker_info()`` is set before ``worker_init_fn`` runs.
 - A worker writes only into the slot its current task names or a slot granted for that task.
-  After NEED_SLOT it writes nothing more to the old slot (it may still read leaves from it; the
-  main process keeps that slot as the task's spare until the answer arrives).
+  After NEED_SLOT it writes nothing more to the old slot. It may still read leaves from it (the
+  main process then keeps that slot as the task's spare until the answer arrives); when nothing
+  of the batch lives there (a planned batch) it says so, and the slot is freed at once.
 - Every task sent to a worker is fetched, in order, as torch's workers do (tasks of an abandoned
   epoch too), so dataset-side randomness stays in step with torch; after its IterableDataset
   replica is exhausted the worker skips tasks until RESUME, as torch's do.
@@ -136,6 +138,7 @@ class _Worker:
         self.latest_epoch = 0
         self.grants: dict[tuple[int, int], SlotRef] = {}  # (epoch, seq) -> slot offered
         self.denied: set[tuple[int, int]] = set()  # (epoch, seq) whose batch can never fit
+        self.revoked: set[tuple[int, int]] = set()  # (epoch, seq) sent with a slot taken back
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
@@ -203,10 +206,14 @@ class _Worker:
             self.grants[(msg.epoch, msg.seq)] = msg.ref
         elif isinstance(msg, P.Deny):
             self.denied.add((msg.epoch, msg.seq))
+        elif isinstance(msg, P.Revoke):
+            self.revoked.add((msg.epoch, msg.seq))
+            self.grants.pop((msg.epoch, msg.seq), None)
         elif isinstance(msg, P.Resume):
             self.latest_epoch = max(self.latest_epoch, msg.epoch)
             for key in [k for k in self.grants if k[0] < msg.epoch]:
                 del self.grants[key]  # grants for tasks of an abandoned epoch
+            self.revoked = {k for k in self.revoked if k[0] >= msg.epoch}
         return msg  # type: ignore[return-value]
 
     def take_grant(self, epoch: int, seq: int) -> SlotRef | None:
@@ -214,7 +221,7 @@ class _Worker:
         frames are waiting, without blocking)."""
         while (epoch, seq) not in self.grants and self.conn.poll(0):
             msg = self.read()
-            if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny):
+            if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny | P.Revoke):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq), None)
 
@@ -245,7 +252,7 @@ class _Worker:
                     self._apply_shared_seed(msg.shared_seed)
                 if self.init_error is None:
                     self.make_fetcher()
-            # ATTACH, DETACH, GRANT and DENY were applied when read.
+            # ATTACH, DETACH, GRANT, DENY and REVOKE were applied when read.
 
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's
@@ -271,7 +278,11 @@ class _Worker:
             # that error (torch raises it once, then an unrelated UnboundLocalError).
             self.send(P.Failed(task.seq, task.epoch, wid, self.init_error))
             return
-        ref = task.ref or self.take_grant(task.epoch, task.seq)
+        ref = task.ref
+        if self.revoked and (task.epoch, task.seq) in self.revoked:
+            self.revoked.discard((task.epoch, task.seq))
+            ref = None
+        ref = ref or self.take_grant(task.epoch, task.seq)
         slot = self.slot(ref)
         try:
             with SlotSession(slot) as session:
@@ -297,7 +308,8 @@ class _Worker:
                 return
             while ref is None or not packed.fits:
                 # No slot yet, or too small: ask, then lay the batch out in the slot granted.
-                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed, ref))
+                keep = ref is not None and packed.reads_slot
+                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed, ref, keep))
                 granted = self.wait_grant(task.epoch, task.seq)
                 if granted is None:
                     return  # denied (can never fit the arena), epoch abandoned, or teardown
@@ -329,7 +341,7 @@ class _Worker:
             if any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
                 return None
             msg = self.read()
-            if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny):
+            if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny | P.Revoke):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq))
 

@@ -141,6 +141,74 @@ def single_copy_limit(workload: Workload) -> tuple[float, int]:
     return _median_rate(copy), out.nbytes
 
 
+def _stack_for(seconds: float, workload: Workload, start: Any, out_q: Any) -> None:
+    """One process of :func:`n_process_limit`: stack batches privately for ``seconds``."""
+    torch.set_num_threads(1)
+    samples = _batch_samples(workload)
+    shape = [max(t.shape[d] for t in samples) for d in range(samples[0].dim())]
+    out = torch.zeros((len(samples), *shape), dtype=samples[0].dtype)
+    same = all(t.shape == samples[0].shape for t in samples)
+    copy = (lambda: torch.stack(samples, out=out)) if same else (lambda: out.zero_())
+    copy()
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        copy()
+        n += 1
+    out_q.put(n / elapsed)
+
+
+def n_process_limit(workload: Workload, processes: int, seconds: float = 1.0) -> float:
+    """Aggregate batches/s of ``processes`` processes each stacking the workload's batch into a
+    private buffer at once: what the machine's cores and memory allow that many copiers."""
+    if processes < 1:
+        return 0.0
+    ctx = torch.multiprocessing.get_context("fork")
+    start, out_q = ctx.Barrier(processes + 1), ctx.Queue()
+    procs = [
+        ctx.Process(target=_stack_for, args=(seconds, workload, start, out_q), daemon=True)
+        for _ in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        start.wait(timeout=60)
+        rates = [out_q.get(timeout=seconds + 60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+    return sum(rates)
+
+
+def bare_fetch_collate_us(workload: Workload, batches: int = 50) -> float:
+    """Microseconds per batch of ``collate([dataset[i] for i in indices])`` in this process: what
+    a worker does for a batch besides the loader's own work (median of ``batches``)."""
+    collate = workload.collate_fn or torch.utils.data.default_collate
+    n = len(workload.dataset)  # type: ignore[arg-type]
+    times = []
+    for b in range(batches):
+        idx = [(b * workload.batch_size + j) % n for j in range(workload.batch_size)]
+        t0 = time.process_time()
+        collate([workload.dataset[i] for i in idx])
+        times.append(time.process_time() - t0)
+    return statistics.median(times) * 1e6
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds used so far by ``procs`` (exited ones count as 0)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def h2d_limit(workload: Workload, device: str) -> tuple[float, int]:
     """Batches/s of ``copy_(non_blocking=True)`` + ``synchronize()`` of one pinned batch of the
     workload's first tensor to ``device``, and its bytes."""

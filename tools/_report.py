@@ -6,6 +6,10 @@ summary from them, so the table, the JSON and the CSV can never disagree:
 - ``batches_per_s``  median over repeats of ``batches / wall seconds``
 - ``gb_per_s``       ``bytes_per_batch * batches_per_s / 1e9``
 - ``cpu_us``         median over repeats of main-process CPU seconds per batch, in microseconds
+- ``worker_us``      the same for the loader's worker processes together; minus the workload's
+                     ``bare_us_per_batch`` (fetch + collate in one process) it is the loader's
+                     own worker overhead
+- ``pct_nproc_limit`` against the N-process limit (N copiers at once, N = workers)
 - ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
 - ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
                      single-copy limit
@@ -24,7 +28,8 @@ from typing import Any, TextIO
 
 PROGRESS_INTERVAL_S = 0.1  # at most this often the TTY progress line is redrawn
 SUMMARY_KEYS = ("batches_per_s", "gb_per_s", "x_torch", "x_torch0", "pct_limit",
-                "cpu_us_per_batch", "peak_pss_mb")
+                "pct_nproc_limit", "cpu_us_per_batch", "worker_us_per_batch",
+                "worker_overhead_us", "peak_pss_mb")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class RunSample:
     cpu_seconds: float
     peak_pss_mb: float
     bytes_per_batch: float
+    worker_cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -48,9 +54,11 @@ class LoaderResult:
     seconds: list[float] = field(default_factory=list)
     cpu_seconds: list[float] = field(default_factory=list)
     peak_pss_mb: list[float] = field(default_factory=list)
+    worker_cpu_seconds: list[float] = field(default_factory=list)
     bytes_per_batch: float = 0.0
 
     def add(self, run: RunSample) -> None:
+        self.worker_cpu_seconds.append(run.worker_cpu_seconds)
         self.batches_per_repeat.append(run.batches)
         self.seconds.append(run.seconds)
         self.cpu_seconds.append(run.cpu_seconds)
@@ -74,6 +82,15 @@ class LoaderResult:
         return statistics.median(per_batch) if per_batch else 0.0
 
     @property
+    def worker_us(self) -> float:
+        per_batch = [
+            c / n * 1e6
+            for n, c in zip(self.batches_per_repeat, self.worker_cpu_seconds, strict=True)
+            if n
+        ]
+        return statistics.median(per_batch) if per_batch else 0.0
+
+    @property
     def peak_pss(self) -> float:
         return max(self.peak_pss_mb, default=0.0)
 
@@ -89,6 +106,9 @@ class WorkloadResult:
     limit_batches_per_s: float = 0.0
     limit_bytes_per_batch: int = 0
     h2d_limit_batches_per_s: float = 0.0  # device workloads: pinned batch copy_ + synchronize
+    nproc_limit_batches_per_s: float = 0.0  # N processes stacking privately at once
+    nproc: int = 0
+    bare_us_per_batch: float = 0.0  # collate([ds[i] ...]) in one process
     loaders: list[LoaderResult] = field(default_factory=list)
     skipped: str = ""
 
@@ -101,7 +121,7 @@ class WorkloadResult:
                 return None
             return result.batches_per_s / other.batches_per_s
 
-        limit = self.limit_batches_per_s
+        limit, nproc = self.limit_batches_per_s, self.nproc_limit_batches_per_s
         if not result.seconds:  # interrupted before its first repeat finished
             return dict.fromkeys(SUMMARY_KEYS)
         return {
@@ -110,7 +130,12 @@ class WorkloadResult:
             "x_torch": ratio(self.column("torch")),
             "x_torch0": ratio(self.column("torch-0")),
             "pct_limit": 100 * result.batches_per_s / limit if limit else None,
+            "pct_nproc_limit": 100 * result.batches_per_s / nproc if nproc else None,
             "cpu_us_per_batch": result.cpu_us,
+            "worker_us_per_batch": result.worker_us if result.num_workers else None,
+            "worker_overhead_us": (
+                result.worker_us - self.bare_us_per_batch if result.num_workers else None
+            ),
             "peak_pss_mb": result.peak_pss or None,
         }
 
@@ -168,7 +193,7 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def format_table(results: list[WorkloadResult]) -> str:
     """The human table: one block per workload, the single-copy limit first, then each loader."""
     header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
-              "main CPU us/batch", "peak PSS MB")
+              "% N-proc", "main CPU us/batch", "worker CPU us/batch", "peak PSS MB")
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for wr in results:
@@ -177,18 +202,26 @@ def format_table(results: list[WorkloadResult]) -> str:
             continue
         limit_gb = wr.limit_bytes_per_batch * wr.limit_batches_per_s / 1e9
         rows.append((wr.workload, "single-copy", f"{wr.limit_batches_per_s:,.1f}",
-                     f"{limit_gb:.2f}", "", "", "100%", "", ""))
+                     f"{limit_gb:.2f}", "", "", "100%", "", "", "", ""))
+        if wr.nproc_limit_batches_per_s:
+            n_gb = wr.limit_bytes_per_batch * wr.nproc_limit_batches_per_s / 1e9
+            rows.append((wr.workload, f"{wr.nproc}-process", f"{wr.nproc_limit_batches_per_s:,.1f}",
+                         f"{n_gb:.2f}", "", "", "", "100%", "", "", ""))
+        if wr.bare_us_per_batch:
+            rows.append((wr.workload, "bare fetch+collate", "", "", "", "", "", "", "",
+                         f"{wr.bare_us_per_batch:,.0f}", ""))
         if wr.h2d_limit_batches_per_s:
             h2d_gb = wr.limit_bytes_per_batch * wr.h2d_limit_batches_per_s / 1e9
             rows.append((wr.workload, "h2d-copy", f"{wr.h2d_limit_batches_per_s:,.1f}",
-                         f"{h2d_gb:.2f}", "", "", "", "", ""))
+                         f"{h2d_gb:.2f}", "", "", "", "", "", "", ""))
         for lr in wr.loaders:
             s = wr.summary(lr)
             rows.append((wr.workload, f"{lr.loader} ({lr.num_workers}w)",
                          _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
                          _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"),
-                         _fmt(s["pct_limit"], ".1f", "%"), _fmt(s["cpu_us_per_batch"], ",.0f"),
-                         _fmt(s["peak_pss_mb"], ",.0f")))
+                         _fmt(s["pct_limit"], ".1f", "%"), _fmt(s["pct_nproc_limit"], ".1f", "%"),
+                         _fmt(s["cpu_us_per_batch"], ",.0f"),
+                         _fmt(s["worker_us_per_batch"], ",.0f"), _fmt(s["peak_pss_mb"], ",.0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = []
     for r in [header, *rows]:

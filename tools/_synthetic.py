@@ -8,6 +8,9 @@ from it, so ``__getitem__`` is cheap and a benchmark measures the loader's data 
   8 random uint8 images of 3x512x512; no copy in ``__getitem__``.
 - ``tabular`` ``TabularDataset``: one float32 table ``rows x 64``; sample ``i`` is
   ``(table[i], i % 1000)``, a view of one row.
+- ``null``    ``NullDataset``: sample ``i`` is one preallocated 1-element float32 tensor and the
+  int ``0``; ``__getitem__`` and the collate copy cost next to nothing, so what a loader's
+  workers spend per batch beyond a bare ``collate([ds[i] ...])`` is the loader's own overhead.
 - ``ragged``  ``RaggedImageDataset``: sample ``i`` is a ``3 x H_i x W_i`` view cropped from the
   image pool, ``H_i, W_i`` drawn once per index from ``[384, 512]``; batched by ``pad_collate``,
   which pads to the largest ``H, W`` of the batch.
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-WORKLOADS: tuple[str, ...] = ("image", "tabular", "ragged", "decode", "pinned")
+WORKLOADS: tuple[str, ...] = ("image", "tabular", "null", "ragged", "decode", "pinned")
 NUM_LABELS = 1000
 POOL_SIZE = 8
 IMAGE_SHAPE = (3, 512, 512)
@@ -50,6 +53,7 @@ DEVICE = "cuda"  # where the pinned workload's consumer copies each batch
 SIZES: dict[str, tuple[int, int, int]] = {
     "image": (1024, 128, 32),
     "tabular": (200_000, 20_000, 256),
+    "null": (200_000, 20_000, 256),
     "ragged": (1024, 128, 32),
     "decode": (256, 64, 32),
     "pinned": (1024, 128, 32),
@@ -92,6 +96,20 @@ class TabularDataset(Dataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.table[index], index % NUM_LABELS
+
+
+class NullDataset(Dataset[tuple[torch.Tensor, int]]):
+    """Every sample is the same preallocated tensor: the loader's fixed cost, and nothing else."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.sample = torch.zeros(1)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.sample, 0
 
 
 class BlobPoolDataset(Dataset[torch.Tensor]):
@@ -222,6 +240,8 @@ def make_workload(name: str, *, seed: int, quick: bool, batch_size: int | None =
     if name == "tabular":
         desc = f"{n} rows x {TABULAR_COLUMNS} float32"
         return Workload(name, TabularDataset(n, seed), batch, None, desc)
+    if name == "null":
+        return Workload(name, NullDataset(n), batch, None, f"{n} x one preallocated float32")
     if name == "ragged":
         lo, hi = RAGGED_SIDE
         desc = f"{n} x 3x[{lo}..{hi}]x[{lo}..{hi}] uint8, padded"

@@ -8,7 +8,8 @@ Method
   ``shuffle=True``, its batch size and collate, ``generator=torch.Generator().manual_seed(seed)``.
 - One *run* builds a fresh loader (``persistent_workers=True`` when it has workers, unless
   ``--fresh-workers``), iterates one untimed warm-up epoch (starts the workers, faults memory in,
-  measures bytes per batch), then one timed epoch (or ``--max-batches``), then drops the loader and
+  measures bytes per batch), then timed epochs until ``--min-seconds`` (2 s) have passed (or one
+  epoch of ``--max-batches``), then drops the loader and
   reaps every worker it started. One loader is alive at a time, so no column's memory numbers
   include another's.
 - Runs alternate: each repeat runs every column once, in the same order (torch, shmloader, torch,
@@ -32,7 +33,14 @@ Method
   50 ms on a small machine; ``--pss-interval 0`` turns sampling off for pure throughput runs.
 - Single-copy limit = ``torch.stack(samples, out=preallocated)`` of one batch in the main process
   on one thread (a zero-padded copy for ragged samples), median of several; ``% limit`` = loader
-  rate / limit rate.
+  rate / limit rate. The N-process limit (N = ``--workers``) is the aggregate rate of N forked
+  processes each doing that copy into a private buffer at the same time for 1 s: what the
+  machine's cores and memory bandwidth allow N copiers; ``% N-proc`` = loader rate / that rate.
+- Worker CPU per batch = CPU seconds of the loader's worker processes over the timed loop,
+  divided by batches. ``bare`` is ``collate([dataset[i] for i in indices])`` in the main process
+  (median of 50 batches): the part of a worker's time that is the dataset's and the collate's,
+  so ``worker - bare`` is the loader's own overhead per batch (the ``null`` workload shows it
+  alone).
 
 Columns are defined in ``tools._loaders``; timing loops, limits and reaping live in
 ``tools._measure``; workloads in ``tools._synthetic``; tables and files in ``tools._report``.
@@ -68,11 +76,14 @@ from tools._loaders import (
 )
 from tools._measure import (
     PssSampler,
+    bare_fetch_collate_us,
     children,
     close,
+    cpu_seconds,
     drain,
     h2d_limit,
     interrupt_on_sigterm,
+    n_process_limit,
     positive_int,
     reap,
     single_copy_limit,
@@ -90,6 +101,9 @@ from tools._report import (
 from tools._synthetic import WORKLOADS, Workload, WorkloadUnavailable, make_workload
 
 SHM_DIR = "/dev/shm"
+
+
+MIN_TIMED_S = 2.0  # a timed run spans whole epochs until at least this long
 
 
 def run_once(
@@ -119,12 +133,20 @@ def run_once(
         warm_batches, warm_bytes = drain(source, progress, consume=consume,
                                          limit=args.max_batches, count=True)
         progress.start(label)
+        workers = [p for p in children() if p.pid not in before]
         with PssSampler(args.pss_interval) as pss:
-            cpu0 = time.process_time()
+            cpu0, wcpu0 = time.process_time(), cpu_seconds(workers)
             t0 = time.perf_counter()
-            batches, _ = drain(source, progress, consume=consume, limit=args.max_batches)
+            batches = 0
+            # Whole epochs until at least --min-seconds have passed (one epoch with a cap).
+            while True:
+                done, _ = drain(source, progress, consume=consume, limit=args.max_batches)
+                batches += done
+                if args.max_batches or time.perf_counter() - t0 >= args.min_seconds or not done:
+                    break
             seconds = time.perf_counter() - t0
         cpu = time.process_time() - cpu0 - pss.cpu_seconds
+        worker_cpu = cpu_seconds(workers) - wcpu0
         progress.repeat_done(batches, seconds)
     except BaseException as exc:
         # The traceback's frames hold the loader and its iterator; free them so teardown can run.
@@ -135,7 +157,9 @@ def run_once(
         del loader, source
         gc.collect()
         reap(before, label, progress)
-    return RunSample(batches, seconds, cpu, pss.peak_kb / 1024, warm_bytes / max(warm_batches, 1))
+    return RunSample(
+        batches, seconds, cpu, pss.peak_kb / 1024, warm_bytes / max(warm_batches, 1), worker_cpu
+    )
 
 
 def bench_workload(
@@ -159,6 +183,12 @@ def bench_workload(
     columns = [c for c in columns if workload.device or not c.device_prefetch]
     progress.start(f"{name} | single-copy limit")
     result.limit_batches_per_s, result.limit_bytes_per_batch = single_copy_limit(workload)
+    if args.workers > 1 and not workload.device:
+        progress.start(f"{name} | {args.workers}-process limit")
+        result.nproc_limit_batches_per_s = n_process_limit(workload, args.workers)
+        result.nproc = args.workers
+    progress.start(f"{name} | bare fetch+collate")
+    result.bare_us_per_batch = bare_fetch_collate_us(workload)
     if workload.device:
         progress.start(f"{name} | H2D limit")
         result.h2d_limit_batches_per_s, _ = h2d_limit(workload, workload.device)
@@ -201,6 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="results directory")
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repeat: a smoke run")
+    p.add_argument("--min-seconds", type=float, default=None,
+                   help="time each run over whole epochs until this many seconds have passed "
+                   "(default 2; 0 with --quick)")
     p.add_argument("--pss-interval", type=float, default=0.05, metavar="SECONDS",
                    help="PSS sampling period; 0 disables PSS sampling (default 0.05)")
     p.add_argument("--fresh-workers", action="store_true",
@@ -211,6 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.explicit_loaders = args.loaders is not None
     args.loaders = args.loaders or _names(LOADERS, ALIASES)(DEFAULT_LOADERS)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.min_seconds is None:
+        args.min_seconds = 0.0 if args.quick else MIN_TIMED_S
     return args
 
 

@@ -1,0 +1,155 @@
+"""Torch-contract gaps found by running PyTorch's own DataLoader tests against shmloader (issue 12).
+
+Each case is checked against torch's own DataLoader in the same test where torch's behaviour is
+the reference (``tests.parity_datasets.candidate_loader_class`` is the loader under test).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests import contract_datasets as cd
+from tests import parity_datasets as pd
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def make(*args, **kwargs):
+    return pd.candidate_loader_class()(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ _workers
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["plain", "persistent"])
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "iterable"])
+def test_iterator_workers_exit_when_it_is_dropped_before_the_end(iterable, persistent):
+    ds = cd.RangeIterable(40) if iterable else cd.SmallTensors(40)
+    it = iter(make(ds, batch_size=2, num_workers=2, persistent_workers=persistent))
+    next(it)
+    workers = list(it._workers)
+    assert len(workers) == 2
+    assert all(w.is_alive() and w.pid and w.exitcode is None for w in workers)
+    del it
+    gc.collect()
+    for w in workers:
+        w.join(10)
+        assert not w.is_alive() and w.exitcode is not None
+
+
+def test_iterator_workers_are_the_processes_stats_names():
+    loader = make(cd.SmallTensors(20), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    assert [w.pid for w in it._workers] == list(loader.stats().worker_pids)
+    del it
+
+
+# ------------------------------------------------------------------------ in_order=False
+
+
+def test_unordered_dispatch_sends_work_past_a_stuck_worker_exactly_as_torch():
+    # torch.utils.data's own test: index 0 is slow, so worker 1 takes every index it can.
+    expected_workers = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
+    expected_data = [1, 3, 4, 5, 6, 7, 8, 9, 0, 2]
+    for loader_class in (torch.utils.data.DataLoader, pd.candidate_loader_class()):
+        dataset = cd.StuckFirstDataset(10)
+        loader = loader_class(
+            dataset,
+            batch_size=None,
+            num_workers=2,
+            prefetch_factor=2,
+            in_order=False,
+            multiprocessing_context="fork",
+            timeout=60,
+        )
+        got = []
+        for worker, index in loader:
+            got.append((worker, index))
+            if index == 9:  # every batch but worker 0's is here: let it go on
+                dataset.released.set()
+        assert [w for w, _ in got] == expected_workers, loader_class
+        assert [i for _, i in got] == expected_data, loader_class
+
+
+# ------------------------------------------------------------------------- nested tensors
+
+
+@pytest.mark.parametrize("ctx", START_METHODS)
+def test_nested_tensors_arrive_as_torch_delivers_them(ctx):
+    kwargs = dict(batch_size=2, num_workers=2, collate_fn=cd.list_collate)
+    ref = list(torch.utils.data.DataLoader(cd.NestedTensorDataset(6), **kwargs))
+    got = list(make(cd.NestedTensorDataset(6), multiprocessing_context=ctx, **kwargs))
+    assert len(got) == len(ref) == 3
+    for batch, expected in zip(got, ref, strict=True):
+        for sample, want in zip(batch, expected, strict=True):
+            assert sample["nested"].is_nested
+            rows = sample["nested"].unbind()
+            assert [r.tolist() for r in rows] == [r.tolist() for r in want["nested"].unbind()]
+            assert torch.equal(sample["plain"], want["plain"])
+
+
+def test_nested_tensors_without_batching_arrive_whole():
+    got = list(make(cd.NestedTensorDataset(4), batch_size=None, num_workers=2))
+    assert [s["nested"].unbind()[2].tolist() for s in got] == [
+        [float(i), i + 1.0, i + 2.0] for i in range(4)
+    ]
+
+
+# ------------------------------------------------------------------- file-descriptor limits
+
+_HOLD_EVERYTHING = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from tests.contract_datasets import SmallTensors
+    import shmloader
+    import os
+    limit = int(sys.argv[1])
+    if limit < 0:  # this many descriptors beyond those open now
+        limit = len(os.listdir("/proc/self/fd")) - limit
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    options = eval(sys.argv[2])
+    loader = shmloader.DataLoader(SmallTensors(200), batch_size=1, num_workers=1, **options)
+    kept = []
+    try:
+        for batch in loader:
+            kept.append(batch)
+    except RuntimeError as e:
+        print("ERROR", e)
+        sys.exit(3)
+    assert [int(b[0, 0]) for b in kept] == list(range(200))
+    print("SLABS", loader.stats().arena.slabs)
+    """
+)
+
+
+def _hold_everything(limit: int, kwargs: str) -> subprocess.CompletedProcess[str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, "-c", _HOLD_EVERYTHING, str(limit), kwargs],
+        capture_output=True, text=True, timeout=120, cwd=root,
+    )
+
+
+def test_holding_200_batches_under_ulimit_100_needs_few_descriptors():
+    out = _hold_everything(100, "{}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    slabs = int(out.stdout.split("SLABS")[1])
+    assert slabs <= 10  # slabs of a class double: O(log batches held), not one per 3 batches
+
+
+def test_running_out_of_descriptors_is_a_runtime_error_naming_ulimit_and_the_fixes():
+    # So few descriptors that the arena cannot hold the batches kept: the error must say why.
+    out = _hold_everything(-8, "{'arena_slots_per_slab': 1}")
+    assert out.returncode == 3, out.stdout + out.stderr
+    message = out.stdout
+    assert "the arena holds" in message and "descriptors (" in message, message
+    for words in ("ulimit -n", "arena_slots_per_slab", ".clone()", "shmloader.release"):
+        assert words in message, message
