@@ -187,3 +187,25 @@ class PoisonedPayload(Dataset):
 def marker_collate(samples: list[tuple[torch.Tensor, Marker]]) -> tuple[torch.Tensor, list[Marker]]:
     """Stacks the rows; the markers travel as a list in the batch's pickled payload."""
     return torch.stack([x for x, _ in samples]), [m for _, m in samples]
+
+
+class PairRows(Dataset):
+    """Sample i: ``(row, i)`` where ``row`` is ``row_value(i)`` repeated ``width`` times, as an
+    int64 torch tensor (``kind="torch"``) or NumPy array (``kind="numpy"``)."""
+
+    def __init__(self, n: int, width: int, kind: str = "torch") -> None:
+        self.n = n
+        self.width = width
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        row = np.full(self.width, row_value(i), dtype=np.int64)
+        return (torch.from_numpy(row) if self.kind == "torch" else row), i
+
+
+def numpy_pair_collate(samples: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, labels)`` as NumPy arrays: the batch's leaves are NumPy arrays in the slot."""
+    return np.stack([r for r, _ in samples]), np.asarray([i for _, i in samples], dtype=np.int64)

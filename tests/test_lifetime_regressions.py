@@ -5,8 +5,8 @@ One test per bug of the issue (and the CPU ``DevicePrefetcher``), each asserting
 behaviour and checking every batch it looks at against the dataset (tests/lifetime_datasets.py:
 sample ``i`` is filled with ``row_value(i)``). Each is bounded: loaders get ``timeout=``, and the
 scenarios that can deadlock the main process itself (a lock taken inside the garbage collector)
-run in a forked child that the test kills and reaps after :data:`HANG_S` seconds, reporting the
-child's stack.
+run in a forked child (tests/forked.py) that is killed and reaped after :data:`HANG_S` seconds,
+reporting the child's stack.
 
 Tests that fail before the fix carry ``xfail(strict=True)`` naming the bug; removing the marker is
 part of fixing it.
@@ -15,16 +15,11 @@ part of fixing it.
 from __future__ import annotations
 
 import collections
-import contextlib
-import faulthandler
 import functools
 import gc
-import json
 import os
 import pickle
 import select
-import signal
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +30,7 @@ import torch
 
 import shmloader
 from arena import ArenaExhaustedError
+from tests.forked import ForkedChild
 from tests.lifetime_datasets import (
     ListBatchSampler,
     NumpyRows,
@@ -84,73 +80,6 @@ def frees_its_loaders_on_failure(test: Callable[..., None]) -> Callable[..., Non
             raise
 
     return run
-
-
-# ------------------------------------------------------------------- running in a forked child
-
-
-class ForkedChild:
-    """``body()`` running in a fork of this process. The child reports its JSON-able result (or
-    its traceback) through a pipe and leaves with ``os._exit``; if it is still running
-    ``timeout`` seconds after it started, faulthandler writes its stack to a second pipe and it
-    exits. :meth:`result` waits (bounded), always reaps the child, and fails the test with the
-    child's stack if it hung."""
-
-    def __init__(self, body: Callable[[], Any], timeout: float = HANG_S) -> None:
-        self.timeout = timeout
-        self.started = time.monotonic()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.close(out_r)
-                os.close(err_r)
-                err = os.fdopen(err_w, "w")
-                faulthandler.dump_traceback_later(timeout, exit=True, file=err)
-                try:
-                    report = {"result": body()}
-                except BaseException:  # noqa: BLE001 - the parent reports whatever happened
-                    report = {"error": traceback.format_exc()}
-                data = json.dumps(report).encode()
-                while data:
-                    data = data[os.write(out_w, data) :]
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(out_w)
-        os.close(err_w)
-        self.pid, self._out, self._err = pid, out_r, err_r
-
-    def result(self) -> Any:
-        chunks: list[bytes] = []
-        try:
-            while True:
-                left = self.started + self.timeout + 5.0 - time.monotonic()
-                ready, _, _ = select.select([self._out], [], [], max(0.0, left))
-                if not ready:
-                    break
-                chunk = os.read(self._out, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        finally:
-            hung = not chunks
-            if hung:
-                with_stack = select.select([self._err], [], [], 0)[0]
-                stack = os.read(self._err, 1 << 16).decode(errors="replace") if with_stack else ""
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-            os.close(self._out)
-            os.close(self._err)
-        if hung:
-            pytest.fail(f"the scenario hung for {self.timeout:.0f} s; the child's stack:\n{stack}")
-        report = json.loads(b"".join(chunks))
-        if "error" in report:
-            pytest.fail(f"the scenario raised in the child:\n{report['error']}")
-        return report["result"]
 
 
 # ------------------------------------------------------------------------ 1. NumPy collates
@@ -264,7 +193,7 @@ def test_a_forked_main_process_builds_its_own_arena_and_neither_side_corrupts_ba
         finally:
             gc.collect()  # the child's iterators and workers end before os._exit
 
-    child = ForkedChild(child_body)
+    child = ForkedChild(child_body, HANG_S)
     os.close(go_r)
     try:
         os.write(go_w, b"g")
@@ -322,7 +251,7 @@ def _hold_batches_in_reference_cycles() -> dict[str, int]:
 @pytest.mark.timeout(HANG_S + 30)
 @frees_its_loaders_on_failure
 def test_batches_freed_by_the_garbage_collector_inside_the_allocator_do_not_deadlock():
-    report = ForkedChild(_hold_batches_in_reference_cycles).result()
+    report = ForkedChild(_hold_batches_in_reference_cycles, HANG_S).result()
     assert report == {"steps": len(CYCLE_THRESHOLDS) * 2 * len(CYCLE_SIZES), "bad": 0}
 
 
