@@ -77,6 +77,8 @@ class ForkedChild:
             os.waitpid(self.pid, 0)
             os.close(self._out)
             os.close(self._err)
+            if hung:
+                _unlink_names_of(self.pid)
         if hung:
             raise AssertionError(
                 f"the scenario hung for {self.timeout:.0f} s; the child's stack:\n{stack}"
@@ -85,3 +87,15 @@ class ForkedChild:
         if "error" in report:
             raise AssertionError(f"the scenario raised in the child:\n{report['error']}")
         return report["result"]
+
+
+def _unlink_names_of(pid: int) -> None:
+    """Unlinks the /dev/shm names a killed child was creating (a segment's name exists for the
+    moment of its creation; a child killed then leaves it). The hang is the test's failure; the
+    name is only its debris, which must not fail the next test's leak check."""
+    prefix = f"shmloader-{pid}-"
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
