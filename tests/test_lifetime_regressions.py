@@ -467,3 +467,29 @@ def test_arena_exhausted_error_reports_exactly_what_the_user_holds():
     for k, (x, y) in enumerate(kept):
         assert batch_ok(x, y, k, 64), k
     assert loader.stats().batches_held == 6
+
+
+@frees_its_loaders_on_failure
+def test_arena_exhausted_error_counts_the_bytes_the_user_holds_not_the_bytes_reserved():
+    # One small batch (held), then big ones (all held): the small class keeps free slots that
+    # cannot hold a big batch, so at the cap the arena reserves more than the user holds.
+    data = SizedRows(64, [(0, 500), (4, 12000)])
+    probe = shmloader.DataLoader(data, batch_size=4, num_workers=1, timeout=LOADER_TIMEOUT_S)
+    assert sum(1 for _ in probe) == 16
+    small, big = probe.stats().arena.slot_sizes  # one slab of each class, 3 slots each
+    del probe
+    cap = 3 * small + 6 * big
+    loader = shmloader.DataLoader(
+        data, batch_size=4, num_workers=1, arena_max_bytes=cap, timeout=LOADER_TIMEOUT_S
+    )
+    kept = []
+    with pytest.raises(ArenaExhaustedError) as err:
+        for batch in loader:
+            kept.append(batch)
+    message = str(err.value)
+    assert len(kept) == 7
+    assert f"the user holds 7 batches ({small + 6 * big:,} bytes)" in message, message
+    assert f"at its cap of {cap:,} bytes (9 slots)" in message, message
+    for k, batch in enumerate(kept):
+        want = torch.tensor([row_value(i) % 251 for i in range(4 * k, 4 * k + 4)])
+        assert torch.equal(batch.long(), want[:, None].expand(4, data.width_of(4 * k))), k
