@@ -4,8 +4,9 @@ The guard is autouse, so it applies to every test in the suite. After the test b
 garbage (a dropped loader shuts down through its finalizer), then gives children a bounded grace
 period to exit (``psutil.wait_procs`` with a timeout — a wait on an event, not a sleep), and fails
 the test naming whatever is left. It then kills the leftover children so one leak does not
-cascade, and unlinks leftover ``/dev/shm`` entries that carry shmloader's prefix (never other
-programs' entries: a run beside other jobs must not delete their semaphores).
+cascade, and unlinks the leftover ``/dev/shm`` entries. Only entries that carry shmloader's prefix
+count (every segment name the arena makes has it): a run beside other jobs must neither fail
+because of their entries nor delete their semaphores.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ CHILD_GRACE_S = 5.0
 
 
 def _shm_entries() -> set[str]:
+    """Our entries only: other programs' /dev/shm use (a job beside the suite) is not a leak."""
     try:
-        return set(os.listdir(SHM_DIR))
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(OUR_PREFIX)}
     except FileNotFoundError:
         return set()
 
@@ -67,8 +69,7 @@ def no_leaks() -> Iterator[None]:
     if leaked_shm:
         problems.append(f"/dev/shm entries left behind: {leaked_shm}")
         for name in leaked_shm:
-            if name.startswith(OUR_PREFIX):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(SHM_DIR, name))
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
     if problems:
         pytest.fail("; ".join(problems))

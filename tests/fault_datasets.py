@@ -279,22 +279,64 @@ def outcomes(loader: Any, calls: int, detail: bool = True) -> list[str]:
 
 
 def shm_view() -> dict[str, Any]:
-    """What this process holds of shared memory: /dev/shm entries and free bytes, and the
-    descriptors it has open on /dev/shm files or memfds."""
-    fds = []
+    """What this process holds of shared memory: the descriptors it has open on /dev/shm files
+    or memfds (``shm_fds``, their link targets; ``shm_segments``, their ``[st_dev, st_ino]``, which
+    name a segment even after it is unlinked), and, for the scenarios that run in a private
+    /dev/shm, the mount's entries and free bytes. Tests that share /dev/shm with other jobs check
+    only the segments and names their own processes made (:func:`shm_left_by`)."""
+    fds, segments = [], []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
+            st = os.stat(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if target.startswith(("/dev/shm/", "/memfd:")):
             fds.append(target)
+            segments.append([st.st_dev, st.st_ino])
     st = os.statvfs("/dev/shm")
     return {
         "dev_shm_entries": sorted(os.listdir("/dev/shm")),
         "dev_shm_free": st.f_bavail * st.f_frsize,
         "shm_fds": sorted(fds),
+        "shm_segments": sorted(segments),
     }
+
+
+def _holders(pid: str, wanted: set[tuple[int, int]]) -> list[str]:
+    """How process ``pid`` still holds any segment of ``wanted`` (open descriptor or mapping)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if (st.st_dev, st.st_ino) in wanted:
+                    found.append(f"process {pid} has fd {fd} open on segment {st.st_ino}")
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="ascii") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) < 6 or parts[4] == "0":
+                continue
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            if (os.makedev(major, minor), int(parts[4])) in wanted:
+                found.append(f"process {pid} maps segment {parts[4]} ({parts[5]})")
+                break
+    return found
+
+
+def shm_left_by(pids: list[int], segments: list[list[int]]) -> list[str]:
+    """What is left of the shared memory that the processes ``pids`` made: /dev/shm entries
+    named by any of them (segment names start ``shmloader-<owner pid>-``), and any live process
+    on the machine still holding one of ``segments`` (``[st_dev, st_ino]`` as :func:`shm_view`
+    reports them) — its bytes would still be in use. Other jobs' /dev/shm use does not count."""
+    prefixes = tuple(f"shmloader-{pid}-" for pid in pids)
+    left = [f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if name.startswith(prefixes)]
+    wanted = {(dev, ino) for dev, ino in segments}
+    if wanted:
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                left += _holders(pid, wanted)
+    return left
 
 
 def _report(loader: Any, **extra: Any) -> None:

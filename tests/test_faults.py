@@ -52,6 +52,7 @@ from tests.fault_datasets import (
     Values,
     hold_loader_until_killed,
     outcomes,
+    shm_left_by,
     shm_view,
 )
 
@@ -281,7 +282,7 @@ def test_killing_the_main_process_at_a_random_point_stops_every_worker_within_a_
     rng = random.Random(seed)
     batches, persistent, block = rng.randrange(8), rng.random() < 0.5, rng.random() < 0.5
     gate = Gate()
-    before = shm_view()
+    own_fds = shm_view()["shm_fds"]
     ours, theirs = FORK.Pipe()
     child = FORK.Process(
         target=hold_loader_until_killed, args=(theirs, gate, batches, persistent, block)
@@ -302,11 +303,12 @@ def test_killing_the_main_process_at_a_random_point_stops_every_worker_within_a_
         child.join(WAIT_S)  # reaped: its orphaned workers are now this process's children
     assert child.exitcode == -signal.SIGKILL
     assert gone_within(workers, DEADLINE_S - (time.monotonic() - killed_at)) == []
-    assert shm_view() == before
+    assert shm_left_by([child.pid, *workers], report["shm_segments"]) == []
+    assert shm_view()["shm_fds"] == own_fds
 
 
 def test_a_sigkilled_main_interpreter_leaves_no_worker_and_nothing_in_dev_shm(reaper):
-    before = shm_view()
+    own_fds = shm_view()["shm_fds"]
     proc = start_scenario("block-in-next")
     try:
         report = first_line(proc)
@@ -317,11 +319,12 @@ def test_a_sigkilled_main_interpreter_leaves_no_worker_and_nothing_in_dev_shm(re
     assert proc.returncode == -signal.SIGKILL
     assert gone_within(report["worker_pids"], DEADLINE_S - (time.monotonic() - killed_at)) == []
     assert report["shm_fds"], "the child held no shared-memory descriptor"
-    assert shm_view() == before
+    assert shm_left_by([proc.pid, *report["worker_pids"]], report["shm_segments"]) == []
+    assert shm_view()["shm_fds"] == own_fds
 
 
 def test_ctrl_c_mid_epoch_exits_cleanly_with_no_worker_traceback_and_no_leftover(reaper):
-    before = shm_view()
+    own_fds = shm_view()["shm_fds"]
     proc = start_scenario("block-in-next", new_group=True)
     try:
         report = first_line(proc)
@@ -335,12 +338,14 @@ def test_ctrl_c_mid_epoch_exits_cleanly_with_no_worker_traceback_and_no_leftover
     assert err.count("Traceback") == 1, err  # the main process's own, nothing from workers
     assert "shmloader-worker" not in err and "DataLoader worker" not in err, err
     assert gone_within(report["worker_pids"], DEADLINE_S) == []
-    assert shm_view() == before
+    assert report["shm_fds"], "the child held no shared-memory descriptor"
+    assert shm_left_by([proc.pid, *report["worker_pids"]], report["shm_segments"]) == []
+    assert shm_view()["shm_fds"] == own_fds
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_the_interpreter_exits_cleanly_after_breaking_out_of_a_loop(persistent, reaper):
-    before = shm_view()
+    own_fds = shm_view()["shm_fds"]
     args = ["break", "--persistent"] if persistent else ["break"]
     proc = start_scenario(*args)
     out, err = proc.communicate(timeout=WAIT_S)
@@ -349,7 +354,9 @@ def test_the_interpreter_exits_cleanly_after_breaking_out_of_a_loop(persistent, 
     report = json.loads(out)
     assert report["last"][0] == [12.0] * 4
     assert gone_within(report["worker_pids"], DEADLINE_S) == []
-    assert shm_view() == before
+    assert report["shm_fds"], "the child held no shared-memory descriptor"
+    assert shm_left_by([proc.pid, *report["worker_pids"]], report["shm_segments"]) == []
+    assert shm_view()["shm_fds"] == own_fds
 
 
 @pytest.mark.parametrize(

@@ -42,15 +42,26 @@ def test_batches_kept_in_a_list_stay_intact_while_later_batches_arrive():
 
 def test_holding_every_batch_past_the_cap_raises_a_clear_error():
     # Each batch needs one 4 kB page; a 6-page cap leaves room for 6 slots.
+    page = 4096
     loader = shmloader.DataLoader(
-        Squares(64), batch_size=4, num_workers=1, arena_max_bytes=6 * 4096
+        Squares(64), batch_size=4, num_workers=1, arena_max_bytes=6 * page, timeout=30
     )
     kept = []
-    with pytest.raises(ArenaExhaustedError, match=r"the user holds \d+ batches") as err:
+    with pytest.raises(ArenaExhaustedError) as err:
         for batch in loader:
             kept.append(batch)
-    assert "arena_max_bytes" in str(err.value) and ".clone()" in str(err.value)
-    assert len(kept) >= 4
+    message = str(err.value)
+    # the user holds exactly what the cap allows, and the message gives exactly those numbers
+    assert len(kept) == 6
+    assert f"the user holds 6 batches ({6 * page:,} bytes)" in message, message
+    assert f"the arena is at its cap of {6 * page:,} bytes (6 slots)" in message, message
+    for fix in (".clone()", "shmloader.release(batch, loader)", "arena_max_bytes"):
+        assert fix in message
+    for i, (x, y) in enumerate(kept):  # still intact: the error handed out no slot in use
+        assert torch.equal(y, torch.arange(4 * i, 4 * i + 4))
+        assert torch.equal(x, y.float().view(4, 1, 1).expand(4, 3, 4))
+    st = loader.stats()
+    assert st.batches_held == 6 and st.arena.slots_by_state["lent"] == 6
 
 
 def test_dropping_batches_keeps_a_tiny_arena_going_without_error():
@@ -190,3 +201,106 @@ def test_forked_workers_do_not_hold_each_others_pipes():
         sockets.append(sum(link.startswith("socket:") for link in links))
     del it
     assert sockets == [1, 1, 1], f"pipe ends (sockets) held per worker: {sockets}"
+
+
+# ------------------------------------------------------------------ defaults the README states
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "prefetch_factor", "slots"), [(1, None, 3), (2, None, 5), (2, 3, 7)]
+)
+def test_a_slab_has_prefetch_factor_times_workers_plus_one_slots_by_default(
+    num_workers, prefetch_factor, slots
+):
+    loader = shmloader.DataLoader(
+        Squares(64), batch_size=4, num_workers=num_workers, prefetch_factor=prefetch_factor
+    )
+    assert [y.tolist() for _, y in loader] == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    st = loader.stats().arena
+    assert (st.slabs, st.slots_total) == (1, slots)  # equal batches: one slab of one class
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def test_the_default_arena_cap_is_half_the_ram_available_when_the_arena_is_made():
+    loader = shmloader.DataLoader(Squares(16), batch_size=4, num_workers=1)
+    before = _mem_available()
+    it = iter(loader)  # the arena is made here
+    after = _mem_available()
+    assert next(it)[1].tolist() == [0, 1, 2, 3]
+    cap = loader.stats().arena.max_bytes
+    assert min(before, after) // 2 * 0.98 <= cap <= max(before, after) // 2 * 1.02
+    del it
+
+
+# ---------------------------------------------------------------------- shmloader.release()
+
+
+def test_release_returns_a_held_batchs_slot_at_once_and_counts_it():
+    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    x, y = batch = next(it)
+    assert loader.stats().batches_held == 1
+    lent_before = loader.stats().arena.slots_by_state["lent"]
+    assert shmloader.release(batch, loader) == 1  # one slot, whatever the number of tensors
+    st = loader.stats()
+    assert st.batches_held == 0
+    assert st.arena.slots_by_state["lent"] == lent_before - 1
+    assert shmloader.release(batch, loader) == 0  # nothing left to release (slot not reused)
+    assert shmloader.release(x, loader) == 0
+    del x, y, batch, it
+
+
+def test_release_of_something_the_loader_did_not_lend_returns_zero():
+    loader = shmloader.DataLoader(Squares(16), batch_size=4, num_workers=2, timeout=30)
+    assert shmloader.release(torch.zeros(4), loader) == 0  # no arena yet
+    it = iter(loader)
+    held = next(it)
+    assert shmloader.release((torch.zeros(4), [1, "a"], {"k": None}), loader) == 0
+    assert loader.stats().batches_held == 1
+    assert torch.equal(held[1], torch.arange(4))
+    del held, it
+
+
+def test_a_released_batch_keeps_its_data_until_its_slot_is_reused_and_only_then_changes():
+    loader = shmloader.DataLoader(Squares(128), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    x0, y0 = next(it)
+    for i in range(1, 8):  # held, batch 0 stays intact while later batches arrive
+        y = next(it)[1]
+        assert y.tolist() == list(range(4 * i, 4 * i + 4))
+        assert y0.tolist() == [0, 1, 2, 3] and torch.all(x0[:, 0, 0] == y0.float())
+    del y
+    assert shmloader.release((x0, y0), loader) == 1
+    later = None
+    for i in range(8, 32):  # drop each batch: the released slot is soon reused
+        y = next(it)[1]
+        if y0.tolist() == y.tolist():
+            later = i
+            break
+    assert later is not None, "no later batch was written into the released slot"
+    assert y0.tolist() == list(range(4 * later, 4 * later + 4))  # a later batch's bytes
+    assert torch.all(x0[:, 0, 0] == y0.float())
+    del x0, y0, y, it
+    gc.collect()
+    st = loader.stats()
+    assert st.batches_held == 0 and st.arena.slots_free == st.arena.slots_total
+
+
+def test_releasing_every_batch_early_keeps_a_one_slab_arena_going():
+    # 1 worker, prefetch 2: 3 slots; without release, holding 4 batches would need a new slab
+    loader = shmloader.DataLoader(
+        Squares(64), batch_size=4, num_workers=1, arena_max_bytes=3 * 4096, timeout=30
+    )
+    kept = []
+    for i, (x, y) in enumerate(loader):
+        assert y.tolist() == list(range(4 * i, 4 * i + 4))
+        assert shmloader.release((x, y), loader) == 1
+        kept.append((x, y))  # still referenced, but released: the slot is the arena's again
+    assert len(kept) == 16
+    assert loader.stats().batches_held == 0
+    del kept, x, y

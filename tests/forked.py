@@ -1,0 +1,101 @@
+"""Running a scenario in a fork of the test process, bounded in time.
+
+Used where a failure can hang the main process itself (a deadlock inside the garbage collector
+cannot be interrupted from the same process) or must not outlive its example (a failing example's
+traceback would keep its loader and workers alive). The child reports through a pipe, leaves with
+``os._exit``, and is always reaped; a child past its time is made to print its stack and killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import select
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class ForkedChild:
+    """``body()`` running in a fork of this process. The child reports its JSON-able result (or
+    its traceback) through a pipe and leaves with ``os._exit``; if it is still running
+    ``timeout`` seconds after it started, faulthandler writes its stack to a second pipe and it
+    exits. :meth:`result` waits (bounded), always reaps the child, and raises AssertionError
+    with the child's traceback if it raised, or its stack if it hung (AssertionError, not
+    ``pytest.fail``: hypothesis treats it as a failing example)."""
+
+    def __init__(self, body: Callable[[], Any], timeout: float) -> None:
+        self.timeout = timeout
+        self.started = time.monotonic()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.close(out_r)
+                os.close(err_r)
+                err = os.fdopen(err_w, "w")
+                faulthandler.dump_traceback_later(timeout, exit=True, file=err)
+                try:
+                    report = {"result": body()}
+                except BaseException:  # noqa: BLE001 - the parent reports whatever happened
+                    report = {"error": traceback.format_exc()}
+                data = json.dumps(report).encode()
+                while data:
+                    data = data[os.write(out_w, data) :]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(out_w)
+        os.close(err_w)
+        self.pid, self._out, self._err = pid, out_r, err_r
+
+    def result(self) -> Any:
+        chunks: list[bytes] = []
+        try:
+            while True:
+                left = self.started + self.timeout + 5.0 - time.monotonic()
+                ready, _, _ = select.select([self._out], [], [], max(0.0, left))
+                if not ready:
+                    break
+                chunk = os.read(self._out, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            hung = not chunks
+            if hung:
+                with_stack = select.select([self._err], [], [], 0)[0]
+                stack = os.read(self._err, 1 << 16).decode(errors="replace") if with_stack else ""
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            os.close(self._out)
+            os.close(self._err)
+            if hung:
+                _unlink_names_of(self.pid)
+        if hung:
+            raise AssertionError(
+                f"the scenario hung for {self.timeout:.0f} s; the child's stack:\n{stack}"
+            )
+        report = json.loads(b"".join(chunks))
+        if "error" in report:
+            raise AssertionError(f"the scenario raised in the child:\n{report['error']}")
+        return report["result"]
+
+
+def _unlink_names_of(pid: int) -> None:
+    """Unlinks the /dev/shm names a killed child was creating (a segment's name exists for the
+    moment of its creation; a child killed then leaves it). The hang is the test's failure; the
+    name is only its debris, which must not fail the next test's leak check."""
+    prefix = f"shmloader-{pid}-"
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
