@@ -341,14 +341,13 @@ class Dispatch:
 
     def _exhausted(self, seq: int, nbytes: int) -> ArenaExhaustedError:
         st = self.arena.stats()
-        lent = st.slots_by_state.get("lent", 0)
         return ArenaExhaustedError(
-            f"no arena slot for the next batch ({nbytes:,} bytes): the user holds "
-            f"{self.host.leases.held} batches ({st.bytes_by_state.get('lent', 0):,} bytes in "
-            f"{lent} slots), {st.slots_by_state.get('ready', 0)} finished batches wait to be "
-            f"yielded and {st.slots_by_state.get('writing', 0)} are being written, and the arena "
-            f"is at its cap of {st.max_bytes:,} bytes ({st.bytes_reserved:,} reserved in "
-            f"{st.slots_total} slots). Drop references to old batches, copy what you keep with "
+            f"every arena slot is in use: the user holds {self.host.leases.held} batches "
+            f"({st.bytes_by_state.get('lent', 0):,} bytes), {st.slots_by_state.get('ready', 0)} "
+            f"finished batches wait to be yielded and {st.slots_by_state.get('writing', 0)} are "
+            f"being written, and the arena is at its cap of {st.max_bytes:,} bytes "
+            f"({st.slots_total} slots); {st.bytes_reserved:,} bytes are reserved and the next "
+            f"batch needs {nbytes:,}. Drop references to old batches, copy what you keep with "
             ".clone(), release them early with shmloader.release(batch, loader), or raise "
             "arena_max_bytes."
         )

@@ -345,11 +345,6 @@ def run_scenario(sc: Scenario) -> None:
     assert ForkedChild(lambda: _run_here(sc), EXAMPLE_S).result() == len(sc.steps)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 11 bugs 1 and 2: NumPy-collated batches lose their slot while held (bug 1), "
-    "and releasing a batch a second time frees the batch now in its slot (bug 2)",
-)
 @pytest.mark.parametrize(
     ("start_method", "examples"),
     [("fork", FORK_EXAMPLES), ("spawn", OTHER_EXAMPLES), ("forkserver", OTHER_EXAMPLES)],

@@ -8,8 +8,8 @@ scenarios that can deadlock the main process itself (a lock taken inside the gar
 run in a forked child (tests/forked.py) that is killed and reaped after :data:`HANG_S` seconds,
 reporting the child's stack.
 
-Tests that fail before the fix carry ``xfail(strict=True)`` naming the bug; removing the marker is
-part of fixing it.
+Each failed before its fix (they were written first, marked ``xfail(strict=True)``, and the
+markers went with the fixes).
 """
 
 from __future__ import annotations
@@ -85,11 +85,6 @@ def frees_its_loaders_on_failure(test: Callable[..., None]) -> Callable[..., Non
 # ------------------------------------------------------------------------ 1. NumPy collates
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 1: np.frombuffer(memoryview) does not keep the lease's memoryview "
-    "alive, so a NumPy batch's slot is freed (and overwritten) while the user holds it",
-)
 @frees_its_loaders_on_failure
 def test_numpy_collate_batches_hold_their_slot():
     loader = shmloader.DataLoader(
@@ -116,11 +111,6 @@ def test_numpy_collate_batches_hold_their_slot():
 # --------------------------------------------------------------------- 2. release() twice
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 2: early release maps a data pointer to a slot without checking the "
-    "generation, so a second release frees the batch that now occupies the slot",
-)
 @frees_its_loaders_on_failure
 def test_releasing_a_batch_twice_leaves_the_batch_now_in_its_slot_intact():
     loader = shmloader.DataLoader(
@@ -171,11 +161,6 @@ def _iterate_holding_a_window(loader: shmloader.DataLoader[Any], epochs: int) ->
     return {"bad": bad, "checked": checked}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 3: a fork of the main process keeps using the parent's arena, so "
-    "parent and child hand out the same slots to their own workers",
-)
 @pytest.mark.timeout(60)
 @frees_its_loaders_on_failure
 def test_a_forked_main_process_builds_its_own_arena_and_neither_side_corrupts_batches():
@@ -243,11 +228,6 @@ def _hold_batches_in_reference_cycles() -> dict[str, int]:
     return {"steps": steps, "bad": bad}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 4: the garbage collector runs a lease's weakref callback inside the "
-    "allocator while it holds its lock, and the callback takes the same lock: deadlock",
-)
 @pytest.mark.timeout(HANG_S + 30)
 @frees_its_loaders_on_failure
 def test_batches_freed_by_the_garbage_collector_inside_the_allocator_do_not_deadlock():
@@ -258,11 +238,6 @@ def test_batches_freed_by_the_garbage_collector_inside_the_allocator_do_not_dead
 # ---------------------------------------------------- 5. a scratch buffer larger than the result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 5: the worker's NEED_SLOT for a batch that fits its slot is ignored by "
-    "the main process, and the worker waits forever (the loader's timeout fires)",
-)
 @pytest.mark.timeout(LOADER_TIMEOUT_S + 20)
 @frees_its_loaders_on_failure
 def test_a_custom_collate_with_a_larger_scratch_buffer_in_the_slot_does_not_hang():
@@ -284,11 +259,6 @@ def test_a_custom_collate_with_a_larger_scratch_buffer_in_the_slot_does_not_hang
 # ------------------------------------------------------------ 6. false ArenaExhaustedError
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 6: growth gives the one new slab to the oldest request, not to the "
-    "batch the in-order iterator waits for, so ArenaExhaustedError comes far below the cap",
-)
 @pytest.mark.parametrize(
     ("slots_per_slab", "num_workers"),
     [(1, 2), (2, 3)],
@@ -323,11 +293,6 @@ def test_keeping_every_batch_under_the_cap_never_raises_arena_exhausted(
 CAP = 1 << 20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 7: free slabs of smaller size classes are never given back, so growing "
-    "batches under a byte cap raise ArenaExhaustedError with most slots free",
-)
 @frees_its_loaders_on_failure
 def test_growing_batches_under_a_byte_cap_reuse_the_memory_of_smaller_free_slabs():
     # batches of 40 KB, then 120 KB, then 240 KB (4 uint8 samples each), each dropped at once
@@ -349,11 +314,6 @@ def test_growing_batches_under_a_byte_cap_reuse_the_memory_of_smaller_free_slabs
 # --------------------------------------------------- 8. a batch that fails to rebuild
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 bug 8: a batch whose payload fails to unpickle in the main process leaves "
-    "its slot READY forever",
-)
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 @frees_its_loaders_on_failure
 def test_a_batch_that_fails_to_rebuild_in_the_main_process_gives_its_slot_back(persistent):
@@ -392,9 +352,6 @@ def test_a_batch_that_fails_to_rebuild_in_the_main_process_gives_its_slot_back(p
 # --------------------------------------------------------------------- 9. 0-d NumPy arrays
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 11 bug 9: a 0-d NumPy array comes back with shape (1,)"
-)
 @frees_its_loaders_on_failure
 def test_a_zero_dimensional_numpy_array_keeps_its_shape():
     loader = shmloader.DataLoader(
@@ -418,11 +375,6 @@ def test_a_zero_dimensional_numpy_array_keeps_its_shape():
 # ------------------------------------------------------------- DevicePrefetcher on a CPU device
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11: DevicePrefetcher on a CPU device fails at the first iteration with "
-    "'torch.cuda.Stream requires CUDA support' instead of passing batches through",
-)
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")], ids=["str", "torch.device"])
 @frees_its_loaders_on_failure
 def test_device_prefetcher_on_a_cpu_device_passes_the_loaders_batches_through(device):
