@@ -26,7 +26,7 @@ from arena import Backend
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
 from shmloader.options import arena_options
-from shmloader.stats import LoaderStats
+from shmloader.stats import LoaderStats, no_arena
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -108,8 +108,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return super().__iter__()
 
     def stats(self) -> LoaderStats:
-        """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids,
-        for the most recent multi-worker iterator (all zero before the first one)."""
+        """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids
+        (fields: :class:`LoaderStats`); before the first multi-worker iterator, and always with
+        ``num_workers=0``, nothing is reserved and ``backend`` is ``"none"``."""
         if self._host is None:
-            return LoaderStats(None, 0, 0, ())
+            return no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         return self._host.snapshot()

@@ -155,8 +155,10 @@ class Reporter:
 
 
 def arena_fields(loader: Any) -> dict[str, Any] | None:
-    """``loader.stats()`` flattened to one row, or None before the loader has an arena."""
-    return loader.stats().as_row() or None
+    """``loader.stats()`` flattened to one row, or None while the loader has no slab (before
+    its first multi-worker iteration, and always with ``num_workers=0``)."""
+    stats = loader.stats()
+    return stats.as_row() if stats.slabs else None
 
 
 def _stats_loop(loader: Any, report: Reporter, interval: float, stop: threading.Event) -> None:
