@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from tools._report import Progress
+from ._report import Progress
 
 LoaderFactory = Callable[..., Iterable[Any]]
 

@@ -35,8 +35,8 @@ import torch
 import torch.utils.data
 from torch.utils.data import Dataset
 
-from tools._measure import tensors
-from tools._synthetic import make_workload
+from ._measure import tensors
+from ._synthetic import make_workload
 
 PAGE = 4096
 # cow workloads: (records, samples, batch size) for a full run and a --quick run

@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from tools._loaders import LOADERS, LoaderFactory
-from tools._measure import (
+from ._loaders import LOADERS, LoaderFactory
+from ._measure import (
     children,
     close,
     drain,
@@ -61,8 +61,8 @@ from tools._measure import (
     reap,
     single_copy_limit,
 )
-from tools._report import LoaderResult, Progress, RunSample, WorkloadResult
-from tools._synthetic import BlobPoolDataset, Workload
+from ._report import LoaderResult, Progress, RunSample, WorkloadResult
+from ._synthetic import BlobPoolDataset, Workload
 
 KIB, MIB = 1024, 1024 * 1024
 BATCH_SIZE = 16
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_files(points, args.out, _meta(args, interrupted))
     print(f"results written to {paths[0]} and {paths[1]}")
     if not args.no_plot:
-        from tools._plot_scaling import render
+        from ._plot_scaling import render
 
         for path in render(paths[0], args.img):
             print(f"plot written to {path}")
