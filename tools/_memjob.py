@@ -35,6 +35,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import Dataset
 
+from ._cli import prog
 from ._measure import tensors
 from ._synthetic import make_workload
 
@@ -214,7 +215,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools._memjob", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__package__, "_memjob"),
+                                description=__doc__.split("\n")[0])
     p.add_argument("--workload", required=True)  # memprof validated both names
     p.add_argument("--loader", choices=("torch", "shmloader"), required=True)
     p.add_argument("--workers", type=int, default=2)

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ._cli import prog
 from ._loaders import LOADERS, LoaderFactory
 from ._measure import (
     children,
@@ -236,7 +237,8 @@ def write_files(points: list[Point], out: Path, meta: dict[str, Any]) -> list[Pa
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.scaling", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__package__, "scaling"),
+                                description=__doc__.split("\n")[0])
     p.add_argument("--sweep", choices=("bytes", "workers", "both"), default="both",
                    help="batch bytes 64 KiB..256 MiB at 2 workers, workers 1..4 at 8 MiB, or both")
     p.add_argument("--quick", action="store_true",
