@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,15 +81,77 @@ class SlotSession:
         _session = None
 
 
-def empty(*size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+# torch.empty's keywords that a slot cannot honour: their defaults are accepted, anything else is
+# a TypeError giving the reason and what to do instead.
+_SLOT_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "out": (None, "write into the tensor shmloader.empty() returns instead"),
+    "layout": (torch.strided, "a slot holds strided tensors only"),
+    "memory_format": (torch.contiguous_format, "a slot holds contiguous tensors only"),
+    "pin_memory": (False, "pass pin_memory=True to the DataLoader: it pins the whole arena once"),
+    "requires_grad": (False, "set requires_grad on the batch the loader yields"),
+}
+
+
+def _shape(size: tuple[Any, ...]) -> tuple[int, ...]:
+    """``size`` as torch.empty reads it (ints, or one sequence of ints), with torch's errors."""
+    items = size[0] if len(size) == 1 and isinstance(size[0], Sequence) else size
+    shape = []
+    for pos, item in enumerate(items):
+        if isinstance(item, bool) or not hasattr(item, "__index__"):
+            raise TypeError(
+                "empty(): argument 'size' must be tuple of ints, but found element of type "
+                f"{type(item).__name__} at pos {pos}"
+            )
+        shape.append(operator.index(item))
+    return tuple(shape)
+
+
+def empty(
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """Like ``torch.empty(*size, dtype=dtype)``, allocated inside the current batch's arena slot.
 
     Call it from a custom ``collate_fn`` for the batch's output tensors (fill them in place, e.g.
     padding), and shmloader carries them to the main process without another copy. Outside a
     shmloader worker it is exactly ``torch.empty``. Memory is uninitialised, as with
     ``torch.empty``: write every element you use.
+
+    Accepted as in ``torch.empty``: the size as ints or one sequence (or ``size=``), ``dtype=``,
+    ``device=`` (CPU only: a slot is host memory). ``out``, ``layout``, ``memory_format``,
+    ``pin_memory`` and ``requires_grad`` are accepted at their defaults only; other values, and
+    unknown keywords, raise ``TypeError`` — in and out of a worker alike, so a collate behaves
+    the same under both loaders.
     """
-    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], Sequence) else size
+    if "size" in kwargs:
+        if size:
+            raise TypeError("empty() got multiple values for argument 'size'")
+        size = (kwargs.pop("size"),)
+    for name, value in kwargs.items():
+        if name not in _SLOT_KEYWORDS:
+            raise TypeError(f"empty() got an unexpected keyword argument '{name}'")
+        default, reason = _SLOT_KEYWORDS[name]
+        if value is not default and value != default:
+            raise TypeError(
+                f"shmloader.empty() does not take {name}={value!r} ({reason}); "
+                f"leave {name} at its default {default!r}"
+            )
+    if not size:
+        raise TypeError('empty() missing 1 required positional arguments: "size"')
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"empty(): argument 'dtype' must be torch.dtype, not {type(dtype).__name__}"
+        )
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"shmloader.empty() allocates in the batch's shared-memory slot, which is CPU memory; "
+            f"got device={device!r}. Allocate on the CPU and move the batch in the training loop "
+            f"(batch.to({str(device)!r}, non_blocking=True); with pin_memory=True that copy reads "
+            "straight from the slot)"
+        )
+    shape = _shape(size)
     dt = torch.get_default_dtype() if dtype is None else dtype
     if _session is None:
         return torch.empty(shape, dtype=dt)

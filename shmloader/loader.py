@@ -6,7 +6,7 @@ torch's wording and warnings), the attributes torch forbids re-assigning, ``len(
 multi-process iterator is replaced (:class:`shmloader.epoch.ShmDataLoaderIter`). This module holds
 no data-path logic.
 
-Extra keyword-only arguments (validated here, once):
+Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_options`):
 - ``arena_backend``: ``"auto"`` (default: POSIX ``/dev/shm`` when it fits, else memfd),
   ``"posix"`` or ``"memfd"``.
 - ``arena_max_bytes``: cap on the arena's shared memory (default: half the available RAM).
@@ -18,24 +18,17 @@ Extra keyword-only arguments (validated here, once):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
 import torch.utils.data
 
 from arena import Backend
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
-from shmloader.stats import LoaderStats
+from shmloader.options import arena_options
+from shmloader.stats import LoaderStats, no_arena
 
 T_co = TypeVar("T_co", covariant=True)
-
-
-@dataclass(frozen=True)
-class ArenaOptions:
-    backend: Backend = Backend.AUTO
-    max_bytes: int | None = None
-    slots_per_slab: int | None = None
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
@@ -62,29 +55,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         arena_backend: Backend | str = Backend.AUTO,
-        arena_max_bytes: int | None = None,
-        arena_slots_per_slab: int | None = None,
+        arena_max_bytes: SupportsIndex | None = None,
+        arena_slots_per_slab: SupportsIndex | None = None,
     ) -> None:
-        try:
-            backend = Backend(arena_backend)
-        except ValueError:
-            raise ValueError(
-                f"arena_backend must be one of {[b.value for b in Backend]}, got {arena_backend!r}"
-            ) from None
-        for name, value in (
-            ("arena_max_bytes", arena_max_bytes),
-            ("arena_slots_per_slab", arena_slots_per_slab),
-        ):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise TypeError(
-                    f"{name} must be an int or None, got {value!r} ({type(value).__name__}); "
-                    "give arena_max_bytes in bytes, e.g. 8 * 2**30 for 8 GiB"
-                )
-        if arena_max_bytes is not None and arena_max_bytes <= 0:
-            raise ValueError(f"arena_max_bytes must be positive, got {arena_max_bytes}")
-        if arena_slots_per_slab is not None and arena_slots_per_slab < 1:
-            raise ValueError(f"arena_slots_per_slab must be >= 1, got {arena_slots_per_slab}")
-        self.arena_options = ArenaOptions(backend, arena_max_bytes, arena_slots_per_slab)
+        self.arena_options = arena_options(arena_backend, arena_max_bytes, arena_slots_per_slab)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
         super().__init__(
@@ -144,8 +118,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return state
 
     def stats(self) -> LoaderStats:
-        """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids,
-        for the most recent multi-worker iterator (all zero before the first one)."""
+        """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids
+        (fields: :class:`LoaderStats`); before the first multi-worker iterator in this process,
+        and always with ``num_workers=0``, nothing is reserved and ``backend`` is ``"none"``."""
         if self._host is None or not self._host.here:
-            return LoaderStats(None, 0, 0, ())
+            return no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         return self._host.snapshot()

@@ -1,51 +1,115 @@
 """The loader's statistics record: the arena snapshot plus what only the loader knows.
 
-Invariant: all fields describe one moment; taking a snapshot costs a few microseconds (counters
-are kept incrementally), so it can be read every training step.
+``DataLoader.stats()`` returns a :class:`LoaderStats` at every moment of a loader's life: before
+its first iteration, with ``num_workers=0`` (which never makes an arena) and after its workers
+are gone. Every arena field is also readable on the record itself (``stats().backend``).
+
+Invariants:
+- All fields describe one moment; taking a snapshot costs a few microseconds (counters are kept
+  incrementally), so it can be read every training step.
+- ``arena`` is never None. Before the loader has an arena it is :func:`no_arena`'s record:
+  ``backend == "none"``, nothing reserved, every slot and byte count 0, ``max_bytes`` the cap an
+  arena would get (0 with ``num_workers=0``).
+- The arena's invariants carry over: ``bytes_reserved == sum(bytes_by_state.values())``,
+  ``slots_total == sum(slots_by_state.values())``, ``high_water_bytes`` never decreases.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from arena import ArenaStats
+from arena import ArenaStats, SlotState
+
+_STATE_NAMES = tuple(s.name.lower() for s in SlotState)
 
 
 @dataclass(frozen=True)
 class LoaderStats:
-    """Where a loader's bytes are. ``arena`` is None before the first multi-worker epoch."""
+    """Where a loader's bytes are, right now.
 
-    arena: ArenaStats | None
+    Fields:
+    - ``arena``: the arena's own record (:class:`arena.ArenaStats`); its fields are also
+      properties of this record, listed below.
+    - ``batches_held``: batches yielded to the user whose views are still alive.
+    - ``pinned_bytes``: arena bytes page-locked for CUDA (0 without ``pin_memory`` or a GPU).
+    - ``worker_pids``: process ids of the most recent multi-worker iterator's workers (they may
+      have exited since; empty before the first one).
+
+    Arena properties:
+    - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or
+      ``"none"`` before the first slab.
+    - ``max_bytes``: the cap on reserved bytes (``arena_max_bytes``, or half the available RAM).
+    - ``bytes_reserved``: shared memory held by the arena's slabs, in every state.
+    - ``bytes_in_use``: reserved bytes in slots that are not free (writing, ready or lent).
+    - ``bytes_by_state`` / ``slots_by_state``: bytes and slots per slot state (``free``,
+      ``writing``: a worker collates into it, ``ready``: written, waiting its turn, ``lent``:
+      views of it are out with the user).
+    - ``slots_total``, ``slots_free``: slots in all slabs, and those free.
+    - ``slot_sizes``: the slot size classes in bytes, ascending.
+    - ``high_water_bytes``: the most bytes ever in use at once.
+    - ``growth_events``: how many times a slab was added; ``slabs``: how many exist.
+    """
+
+    arena: ArenaStats
     batches_held: int
     pinned_bytes: int
     worker_pids: tuple[int, ...]
 
     @property
+    def backend(self) -> str:
+        return self.arena.backend
+
+    @property
+    def max_bytes(self) -> int:
+        return self.arena.max_bytes
+
+    @property
     def bytes_reserved(self) -> int:
-        return 0 if self.arena is None else self.arena.bytes_reserved
+        return self.arena.bytes_reserved
 
     @property
     def bytes_in_use(self) -> int:
-        return 0 if self.arena is None else self.arena.bytes_in_use
+        return self.arena.bytes_in_use
+
+    @property
+    def bytes_by_state(self) -> Mapping[str, int]:
+        return self.arena.bytes_by_state
+
+    @property
+    def slots_by_state(self) -> Mapping[str, int]:
+        return self.arena.slots_by_state
 
     @property
     def slots_total(self) -> int:
-        return 0 if self.arena is None else self.arena.slots_total
+        return self.arena.slots_total
 
     @property
     def slots_free(self) -> int:
-        return 0 if self.arena is None else self.arena.slots_free
+        return self.arena.slots_free
+
+    @property
+    def slot_sizes(self) -> tuple[int, ...]:
+        return self.arena.slot_sizes
 
     @property
     def high_water_bytes(self) -> int:
-        return 0 if self.arena is None else self.arena.high_water_bytes
+        return self.arena.high_water_bytes
+
+    @property
+    def growth_events(self) -> int:
+        return self.arena.growth_events
+
+    @property
+    def slabs(self) -> int:
+        return self.arena.slabs
 
     def as_row(self) -> dict[str, int | str]:
         """One flat row (for CSV and JSON lines): every arena field, slots and bytes per state,
-        batches held and pinned bytes. Empty before the first multi-worker epoch."""
+        batches held and pinned bytes."""
         a = self.arena
-        if a is None:
-            return {}
         row: dict[str, int | str] = {
             "backend": a.backend,
             "bytes_reserved": a.bytes_reserved,
@@ -64,3 +128,24 @@ class LoaderStats:
         row["batches_held"] = self.batches_held
         row["pinned_bytes"] = self.pinned_bytes
         return row
+
+
+@functools.lru_cache(maxsize=16)
+def no_arena(max_bytes: int) -> LoaderStats:
+    """The record of a loader without an arena (yet): nothing reserved, held, pinned or running;
+    ``max_bytes`` is the cap an arena would get (0 when none will be made). Cached (the record
+    is frozen and its mappings read-only), so asking costs no more than a real snapshot."""
+    zeros = MappingProxyType(dict.fromkeys(_STATE_NAMES, 0))
+    arena = ArenaStats(
+        backend="none",
+        bytes_reserved=0,
+        max_bytes=max_bytes,
+        bytes_by_state=zeros,
+        slots_by_state=zeros,
+        slots_total=0,
+        slot_sizes=(),
+        high_water_bytes=0,
+        growth_events=0,
+        slabs=0,
+    )
+    return LoaderStats(arena, 0, 0, ())

@@ -20,6 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _own_forkserver() -> None:
+    """A fork inherits the parent's forkserver handle, but that server is not the child's child
+    (``waitpid`` on it fails): forget it, so the child starts its own when it needs one."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = None
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+
+
 class ForkedChild:
     """``body()`` running in a fork of this process. The child reports its JSON-able result (or
     its traceback) through a pipe and leaves with ``os._exit``; if it is still running
@@ -41,6 +52,7 @@ class ForkedChild:
                 os.close(err_r)
                 err = os.fdopen(err_w, "w")
                 faulthandler.dump_traceback_later(timeout, exit=True, file=err)
+                _own_forkserver()
                 try:
                     report = {"result": body()}
                 except BaseException:  # noqa: BLE001 - the parent reports whatever happened

@@ -6,7 +6,8 @@ batches are moved to the device by ``shmloader.DevicePrefetcher`` instead of by 
 
 Invariants:
 - Factories are resolved lazily; an ``ImportError`` means the column is unavailable here.
-  Optional columns (``spdl``) are then skipped silently unless asked for by name.
+  Optional columns (``spdl``) are then skipped with one line saying so (their ``missing`` text),
+  or with the import error when asked for by name.
 - A ``device_prefetch`` column runs only on workloads that name a device (``pinned``); the bench
   drops it from every other workload.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from tools._report import Progress
+from ._report import Progress
 
 LoaderFactory = Callable[..., Iterable[Any]]
 
@@ -50,7 +51,8 @@ class LoaderSpec:
     resolve: Callable[[], LoaderFactory]
     num_workers: int | None = None  # None: --workers
     persistent_ok: bool = True  # accepts persistent_workers=True
-    optional: bool = False  # skipped silently when missing, unless asked for by name
+    optional: bool = False  # skipped with one note when missing, unless asked for by name
+    missing: str = ""  # that note: what is not installed and how to get it
     device_prefetch: bool = False  # wrap in shmloader.DevicePrefetcher (device workloads only)
 
 
@@ -59,7 +61,12 @@ LOADERS: dict[str, LoaderSpec] = {
     "torch-0": LoaderSpec(_torch_loader, num_workers=0),
     "shmloader": LoaderSpec(_shmloader_loader),
     "shmloader+prefetch": LoaderSpec(_shmloader_loader, device_prefetch=True),
-    "spdl": LoaderSpec(_spdl_loader, persistent_ok=False, optional=True),
+    "spdl": LoaderSpec(
+        _spdl_loader,
+        persistent_ok=False,
+        optional=True,
+        missing="SPDL is not installed, so its column is skipped (pip install spdl to add it)",
+    ),
 }
 ALIASES = {"torch0": "torch-0", "prefetch": "shmloader+prefetch"}
 DEFAULT_LOADERS = "torch,shmloader,spdl"
@@ -92,6 +99,8 @@ def resolve_columns(
         except ImportError as exc:
             if explicit or not spec.optional:
                 progress.note(f"skipped loader {name}: {exc}")
+            else:
+                progress.note(spec.missing or f"skipped optional loader {name}: {exc}")
             continue
         n = workers if spec.num_workers is None else spec.num_workers
         persistent = spec.persistent_ok and n > 0 and not fresh_workers

@@ -26,11 +26,19 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
-import psutil
 import torch
 
-from tools._report import Progress
-from tools._synthetic import Workload
+try:
+    import psutil
+except ModuleNotFoundError as exc:  # the one package the tools add to shmloader's requirements
+    raise ModuleNotFoundError(
+        "the benchmark needs psutil, which the tools extra installs: "
+        "pip install 'shmloader[tools]' (or pip install psutil)",
+        name="psutil",
+    ) from exc
+
+from ._report import Progress
+from ._synthetic import Workload
 
 REAP_TIMEOUT_S = 10.0
 LIMIT_WARMUP = 2  # untimed copies before timing a limit

@@ -35,8 +35,9 @@ import torch
 import torch.utils.data
 from torch.utils.data import Dataset
 
-from tools._measure import tensors
-from tools._synthetic import make_workload
+from ._cli import prog
+from ._measure import tensors
+from ._synthetic import make_workload
 
 PAGE = 4096
 # cow workloads: (records, samples, batch size) for a full run and a --quick run
@@ -155,8 +156,10 @@ class Reporter:
 
 
 def arena_fields(loader: Any) -> dict[str, Any] | None:
-    """``loader.stats()`` flattened to one row, or None before the loader has an arena."""
-    return loader.stats().as_row() or None
+    """``loader.stats()`` flattened to one row, or None while the loader has no slab (before
+    its first multi-worker iteration, and always with ``num_workers=0``)."""
+    stats = loader.stats()
+    return stats.as_row() if stats.slabs else None
 
 
 def _stats_loop(loader: Any, report: Reporter, interval: float, stop: threading.Event) -> None:
@@ -212,7 +215,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools._memjob", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__package__, "_memjob"),
+                                description=__doc__.split("\n")[0])
     p.add_argument("--workload", required=True)  # memprof validated both names
     p.add_argument("--loader", choices=("torch", "shmloader"), required=True)
     p.add_argument("--workers", type=int, default=2)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from tools._memrecord import mib
-from tools._procmem import ProcSample, ShmUsage
+from ._memrecord import mib
+from ._procmem import ProcSample, ShmUsage
 
 TTY_PERIOD_S = 0.25  # ~4 Hz redraw on a terminal
 PLAIN_PERIOD_S = 1.0  # one status line per second otherwise

@@ -28,7 +28,7 @@ from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tools._procmem import Member, ProcessTree, ProcSample, ShmUsage
+from ._procmem import Member, ProcessTree, ProcSample, ShmUsage
 
 MIB = 1024 * 1024
 SAMPLE_COLUMNS = tuple(f.name for f in fields(ProcSample))

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools._plot import _pyplot
+from ._plot import _pyplot
 
 MIB = 1024 * 1024
 STYLE = {"torch": dict(color="tab:blue", marker="o"), "shmloader": dict(color="tab:orange",

@@ -43,6 +43,8 @@ import posix_ipc
 
 from arena import Arena, Backend, SlotRef
 
+from ._cli import prog
+
 DEFAULT_BATCH_BYTES = 32 * 3 * 512 * 512  # one uint8 batch of 32 RGB 512x512 images
 ROUND_TRIP_TARGET_US = 20.0
 BANDWIDTH_TARGET_RATIO = 0.9
@@ -286,7 +288,7 @@ def report(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m tools.arena_bench", description=__doc__.split("\n\n")[0]
+        prog=prog(__package__, "arena_bench"), description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES, help="bytes per batch")
     p.add_argument("--iterations", type=int, default=100_000, help="timed round trips for (a)")

@@ -1,6 +1,7 @@
 """Side-by-side benchmark: torch.utils.data.DataLoader against shmloader.DataLoader in one run.
 
 Run from the repository root: ``python -m tools.bench [--workload image,tabular] [--loaders ...]``.
+Installed (``pip install shmloader``), the same CLI is the command ``shmloader-bench``.
 
 Method
 ------
@@ -66,7 +67,8 @@ from typing import Any
 
 import torch
 
-from tools._loaders import (
+from ._cli import prog
+from ._loaders import (
     ALIASES,
     DEFAULT_LOADERS,
     EXTRA_COLUMNS,
@@ -74,7 +76,7 @@ from tools._loaders import (
     Column,
     resolve_columns,
 )
-from tools._measure import (
+from ._measure import (
     PssSampler,
     bare_fetch_collate_us,
     children,
@@ -90,7 +92,7 @@ from tools._measure import (
     to_device,
     touch,
 )
-from tools._report import (
+from ._report import (
     LoaderResult,
     Progress,
     RunSample,
@@ -98,7 +100,7 @@ from tools._report import (
     format_table,
     write_files,
 )
-from tools._synthetic import WORKLOADS, Workload, WorkloadUnavailable, make_workload
+from ._synthetic import WORKLOADS, Workload, WorkloadUnavailable, make_workload
 
 SHM_DIR = "/dev/shm"
 
@@ -216,7 +218,8 @@ def _names(choices: Iterable[str], aliases: dict[str, str]) -> Callable[[str], l
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__package__, "bench"),
+                                description=__doc__.split("\n")[0])
     p.add_argument("--workload", type=_names(WORKLOADS, {}), default="image,tabular",
                    help=f"comma list of {', '.join(WORKLOADS)} or 'all' (default: image,tabular);"
                    " pinned needs CUDA: pin_memory=True, each batch .to('cuda') + synchronize,"

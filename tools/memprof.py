@@ -5,13 +5,16 @@
     python -m tools.memprof --out DIR -- python train.py --epochs 1  # any command
     ... --live                                   # slots by state and memory per process, live
 
-The job always runs in a child process (built-in workloads: ``python -m tools._memjob``) and this
-process only samples it: the profiler's own interpreter, CSV rows and plotting stay out of the
-measured tree, and the sampler never competes with the job's main loop for its GIL. Every
+Installed (``pip install shmloader``), the same CLI is the command ``shmloader-memprof``.
+
+The job always runs in a child process (built-in workloads: ``python -m tools._memjob``, or
+``shmloader_tools._memjob`` when installed) and this process only samples it: the profiler's own
+interpreter, CSV rows and plotting stay out of the measured tree, and the sampler never competes
+with the job's main loop for its GIL. Every
 ``--interval`` seconds it reads ``/proc/<pid>/smaps_rollup`` of each live process of the tree
 (tools._procmem: definitions of RSS, PSS, USS) and ``/dev/shm``; a built-in job also reports
-``loader.stats()`` over a pipe. User scripts get no arena rows: shmloader has no way (such as a
-stats-file environment variable) to export its stats from another program's process yet.
+``loader.stats()`` over a pipe; a user's command gets a pipe too (``SHMLOADER_STATS_FD``), over
+which its shmloader loaders export their stats (shmloader/export.py).
 
 Outputs in DIR: samples.csv, shm.csv, arena.csv, summary.json (tools._memrecord), timeline.png
 (when matplotlib is installed); with ``--compare``, DIR/torch/ and DIR/shmloader/ hold one run each
@@ -38,11 +41,14 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from tools._memlive import LiveView
-from tools._memrecord import MIB, Recording, format_summary, mib
-from tools._procmem import ProcessTree, ProcSample, read_rows, read_shm
+from ._cli import prog
+from ._memlive import LiveView
+from ._memrecord import MIB, Recording, format_summary, mib
+from ._procmem import ProcessTree, ProcSample, read_rows, read_shm
 
-REPO = Path(__file__).resolve().parent.parent
+# The checkout's root, which a built-in job must import tools/ and shmloader/ from (None when
+# installed: the job then imports the same installed packages as this process).
+CHECKOUT = Path(__file__).resolve().parent.parent if __package__ == "tools" else None
 # Built-in jobs (tools._memjob, which imports torch: never imported here, so the profiler stays
 # small and starts fast).
 JOB_WORKLOADS = ("image", "tabular", "cow", "cow-numpy")
@@ -59,10 +65,10 @@ class CommandError(RuntimeError):
 
 
 def _job_command(args: argparse.Namespace, loader: str, report_fd: int) -> list[str]:
-    cmd = [sys.executable, "-m", "tools._memjob", "--workload", args.workload, "--loader", loader,
-           "--workers", str(args.workers), "--batches", str(args.batches), "--seed",
-           str(args.seed), "--interval", str(args.interval), "--report-fd", str(report_fd),
-           "--step-ms", str(args.step_ms)]
+    cmd = [sys.executable, "-m", f"{__package__}._memjob", "--workload", args.workload,
+           "--loader", loader, "--workers", str(args.workers), "--batches", str(args.batches),
+           "--seed", str(args.seed), "--interval", str(args.interval), "--report-fd",
+           str(report_fd), "--step-ms", str(args.step_ms)]
     return cmd + (["--quick"] if args.quick else [])
 
 
@@ -136,8 +142,10 @@ def profile(cmd: list[str], *, args: argparse.Namespace, label: str, out: Path,
     if view is not None and view.tty:  # the job's output would tear the redrawn block
         log = open(out / "job.log", "wb")  # noqa: SIM115 - closed in finally
     env = dict(os.environ)
-    if report is not None:  # a built-in job imports tools._memjob from this checkout
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if report is not None:  # a built-in job: it imports this package's _memjob
+        if CHECKOUT is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT),
+                                                             env.get("PYTHONPATH")]))
     else:  # a user's command: shmloader loaders in it export their stats over this pipe
         report = os.pipe()
         env[STATS_FD_ENV] = str(report[1])
@@ -203,7 +211,7 @@ def profile(cmd: list[str], *, args: argparse.Namespace, label: str, out: Path,
     if log is not None:
         print(f"   the job's output: {out / 'job.log'}")
     if not args.no_plot:
-        from tools._plot import render_timeline
+        from ._plot import render_timeline
 
         path = render_timeline(out, label)
         if path is not None:
@@ -262,7 +270,7 @@ def run_compare(args: argparse.Namespace, out: Path) -> int:
               "ratio_peak_total_pss": ratios["peak total PSS"], "ratios": ratios, "runs": runs}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_plot:
-        from tools._plot import render_compare
+        from ._plot import render_compare
 
         path = render_compare(out, {k: out / k for k in runs}, head[3:])
         if path is not None:
@@ -283,9 +291,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    p = argparse.ArgumentParser(prog="python -m tools.memprof",
+    name = prog(__package__, "memprof")
+    p = argparse.ArgumentParser(prog=name,
                                 description="Profile a loading job's memory over time.",
-                                epilog="usage with a command: python -m tools.memprof [OPTIONS] "
+                                epilog=f"usage with a command: {name} [OPTIONS] "
                                        "-- python train.py ...")
     p.add_argument("--workload", choices=JOB_WORKLOADS,
                    help="built-in job (cow: a Python list read by index under fork, "

@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 
-from tools._loaders import LOADERS, LoaderFactory
-from tools._measure import (
+from ._cli import prog
+from ._loaders import LOADERS, LoaderFactory
+from ._measure import (
     children,
     close,
     drain,
@@ -61,8 +62,8 @@ from tools._measure import (
     reap,
     single_copy_limit,
 )
-from tools._report import LoaderResult, Progress, RunSample, WorkloadResult
-from tools._synthetic import BlobPoolDataset, Workload
+from ._report import LoaderResult, Progress, RunSample, WorkloadResult
+from ._synthetic import BlobPoolDataset, Workload
 
 KIB, MIB = 1024, 1024 * 1024
 BATCH_SIZE = 16
@@ -236,7 +237,8 @@ def write_files(points: list[Point], out: Path, meta: dict[str, Any]) -> list[Pa
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.scaling", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__package__, "scaling"),
+                                description=__doc__.split("\n")[0])
     p.add_argument("--sweep", choices=("bytes", "workers", "both"), default="both",
                    help="batch bytes 64 KiB..256 MiB at 2 workers, workers 1..4 at 8 MiB, or both")
     p.add_argument("--quick", action="store_true",
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_files(points, args.out, _meta(args, interrupted))
     print(f"results written to {paths[0]} and {paths[1]}")
     if not args.no_plot:
-        from tools._plot_scaling import render
+        from ._plot_scaling import render
 
         for path in render(paths[0], args.img):
             print(f"plot written to {path}")

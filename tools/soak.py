@@ -38,6 +38,8 @@ from torch.utils.data import Dataset
 
 import shmloader
 
+from ._cli import prog
+
 MB = 1 << 20
 
 
@@ -190,7 +192,8 @@ def _fraction(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__package__, "soak"),
+                                description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=_positive, default=200_000, help="batches to read (200000)")
     p.add_argument("--workers", type=_positive, default=2, help="num_workers (2)")
     p.add_argument("--batch-size", type=_positive, default=16, help="rows per batch (16)")

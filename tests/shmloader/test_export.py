@@ -4,9 +4,9 @@ import os
 import pytest
 
 from shmloader.export import ENV_FD, StatsExport
-from shmloader.stats import LoaderStats
+from shmloader.stats import no_arena
 
-EMPTY = LoaderStats(None, 0, 0, ())
+EMPTY = no_arena(0)
 
 
 def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch):
