@@ -1,0 +1,392 @@
+"""Reading one Arrow column for many rows at once: a plan per column type, built at open.
+
+A plan knows, for every record batch of every shard, the byte offsets (from the shard's base) of
+the column's buffers, so a batch of rows is gathered with a few vectorised ``index_select`` calls
+over the mapped file, never a Python loop over rows for fixed-width data:
+
+==========================================  ===============================================
+Arrow type                                  item (``ds[i][col]``) / batch (default collate)
+==========================================  ===============================================
+int8..int64, uint8..uint64, float16..64     0-d tensor of that dtype / ``[B]``
+bool                                        0-d ``torch.bool`` / ``[B]``
+fixed_size_list (nested), fixed_shape_tensor  tensor of the row shape / ``[B, *shape]``
+list / large_list of a number type          1-D tensor / ``[B, L]`` if every length is ``L``
+string / large_string, binary, fixed binary ``str`` / ``bytes``; a list of them
+struct of any of these                      dict / dict of the fields' batches
+==========================================  ===============================================
+
+Invariants:
+- :meth:`Plan.collate` returns exactly what ``torch.utils.data.default_collate`` returns for the
+  rows' items; every tensor comes from ``alloc(shape, dtype)`` (the slot) and is written once. A
+  ``meta`` tensor from ``alloc`` (shmloader planning a slot) is returned unfilled.
+- :meth:`Plan.split` turns a batch collated with ``ragged="list"`` back into per-row items; the
+  items of ``ds[i]`` come from that path, so items and batches cannot disagree.
+- Nulls are refused at open (:func:`first_null_row`), so no gather ever meets one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from shmloader.arrow.errors import ArrowSourceError
+from shmloader.arrow.shard import CARRIERS, Shard
+
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+Ragged = Literal["stack", "list", "pad"]
+
+NUMBER_DTYPES: Final[dict[pa.DataType, torch.dtype]] = {
+    pa.int8(): torch.int8, pa.int16(): torch.int16, pa.int32(): torch.int32,
+    pa.int64(): torch.int64, pa.uint8(): torch.uint8, pa.uint16(): torch.uint16,
+    pa.uint32(): torch.uint32, pa.uint64(): torch.uint64, pa.float16(): torch.float16,
+    pa.float32(): torch.float32, pa.float64(): torch.float64,
+}
+SUPPORTED: Final = (
+    "int8..int64, uint8..uint64, float16/32/64, bool, fixed_size_list and fixed_shape_tensor of "
+    "numbers, list/large_list of numbers, string/large_string, binary/large_binary/"
+    "fixed_size_binary, struct of these"
+)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the requested rows live: per row its global record batch and row inside it."""
+
+    batch: np.ndarray  # int64, global record batch index of each row
+    local: np.ndarray  # int64, row inside that record batch
+    shard: np.ndarray  # int64, shard of each row
+    single: int | None  # the one shard holding every row, or None
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+class Gatherer:
+    """The shards of a dataset and the one primitive every plan uses: gather byte rows."""
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self.shards = list(shards)
+
+    def rows(
+        self, out: torch.Tensor, shard: np.ndarray, single: int | None, addr: np.ndarray, s: int
+    ) -> None:
+        """Fill ``out`` (``[R, n]`` of the ``s``-byte carrier) with the ``n`` elements found at
+        byte offset ``addr[r]`` of shard ``shard[r]``, for every row ``r``."""
+        n = out.shape[1]
+        if single is not None:
+            win = self.shards[single].window(s, n)
+            torch.index_select(win, 0, torch.from_numpy(addr // s), out=out)
+            return
+        for k in np.unique(shard).tolist():
+            pos = np.flatnonzero(shard == k)
+            win = self.shards[k].window(s, n)
+            out[torch.from_numpy(pos)] = win.index_select(0, torch.from_numpy(addr[pos] // s))
+
+    def spans(self, shard: np.ndarray, single: int | None, start: np.ndarray,
+              end: np.ndarray) -> list[memoryview]:
+        """The byte ranges ``[start[r], end[r])`` of shard ``shard[r]``, as memoryviews."""
+        if single is not None:
+            view = self.shards[single].view
+            return [view[a:b] for a, b in zip(start.tolist(), end.tolist(), strict=True)]
+        views = [s.view for s in self.shards]
+        return [views[k][a:b] for k, a, b in zip(shard.tolist(), start.tolist(), end.tolist(),
+                                                 strict=True)]
+
+
+class Plan:
+    """How to gather one column (module docstring: the table of types)."""
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        raise NotImplementedError
+
+    def split(self, collated: Any, rows: int) -> list[Any]:
+        raise NotImplementedError
+
+
+def _offsets(arrays: Sequence[pa.Array], shards: Sequence[Shard], pick: Callable[[pa.Array], int],
+             ) -> np.ndarray:
+    """Per record batch, ``pick(array)`` (an absolute address) as an offset from its shard."""
+    return np.array([pick(a) - s.base for a, s in zip(arrays, shards, strict=True)],
+                    dtype=np.int64)
+
+
+def _carrier_size(itemsize: int, offsets: np.ndarray) -> int:
+    """The widest carrier every address is aligned to (Arrow aligns buffers to 8 bytes)."""
+    return itemsize if not len(offsets) or not (offsets % itemsize).any() else 1
+
+
+class FixedPlan(Plan):
+    """Numbers, fixed-size lists of numbers (nested) and fixed-shape tensors: ``[B, *shape]``."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], data: np.ndarray) -> None:
+        self.dtype, self.shape, self.data = dtype, shape, data
+        self.rowbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.s = _carrier_size(dtype.itemsize, data)
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        out = alloc((len(w), *self.shape), self.dtype)
+        if out.is_meta or out.numel() == 0:
+            return out
+        addr = self.data[w.batch] + w.local * self.rowbytes
+        carrier = out.view(len(w), -1).view(CARRIERS[self.s])
+        g.rows(carrier, w.shard, w.single, addr, self.s)
+        return out
+
+    def split(self, collated: Any, rows: int) -> list[Any]:
+        return list(collated.unbind(0))
+
+
+class BoolPlan(Plan):
+    """Bit-packed booleans: the byte holding each bit is gathered, then the bit is extracted."""
+
+    def __init__(self, data: np.ndarray, bit0: np.ndarray) -> None:
+        self.data, self.bit0 = data, bit0  # validity-free bitmap address, offset in bits
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        out = alloc((len(w),), torch.bool)
+        if out.is_meta or not len(w):
+            return out
+        bit = self.bit0[w.batch] + w.local
+        raw = torch.empty((len(w), 1), dtype=torch.uint8)
+        g.rows(raw, w.shard, w.single, self.data[w.batch] + (bit >> 3), 1)
+        shift = torch.from_numpy((bit & 7).astype(np.uint8))
+        torch.bitwise_and(raw[:, 0].bitwise_right_shift(shift), 1, out=out.view(torch.uint8))
+        return out
+
+    def split(self, collated: Any, rows: int) -> list[Any]:
+        return list(collated.unbind(0))
+
+
+class _Spans:
+    """Shared by variable-length types: gather each row's ``[start, end)`` from its offsets."""
+
+    def __init__(self, offsets: np.ndarray, width: int) -> None:
+        self.offsets, self.width = offsets, width  # offsets buffer address (row 0), 4 or 8
+
+    def bounds(self, w: Where, g: Gatherer) -> tuple[np.ndarray, np.ndarray]:
+        pair = torch.empty((len(w), 2), dtype=CARRIERS[self.width])
+        if len(w):
+            addr = self.offsets[w.batch] + w.local * self.width
+            g.rows(pair, w.shard, w.single, addr, _carrier_size(self.width, self.offsets))
+        both = pair.numpy().astype(np.int64)
+        return both[:, 0], both[:, 1]
+
+
+class VarListPlan(Plan):
+    """``list``/``large_list`` of numbers: 1-D tensors per row.
+
+    ``ragged`` chooses the batch: ``stack`` (``default_collate``: ``[B, L]``, an error when the
+    lengths differ), ``list`` (a list of 1-D tensors, views of one buffer) or ``pad`` (a tuple of
+    a zero-padded ``[B, max L]`` tensor and the int64 lengths ``[B]``).
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype, spans: _Spans, values: np.ndarray) -> None:
+        self.name, self.dtype, self.spans, self.values = name, dtype, spans, values
+        self.s = _carrier_size(dtype.itemsize, values)
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        start, end = self.spans.bounds(w, g)
+        lengths = end - start
+        total = int(lengths.sum())
+        if ragged == "stack":
+            if len(w) and (lengths != lengths[0]).any():
+                raise RuntimeError(
+                    f"column {self.name!r} holds variable-length lists (lengths "
+                    f"{lengths.min()}..{lengths.max()} in this batch), which default_collate "
+                    f"cannot stack; pass collate_fn=shmloader.arrow.collate_ragged (a list of 1-D "
+                    f"tensors) or collate_fn=shmloader.arrow.collate_padded (padded tensor and "
+                    f"lengths)"
+                )
+            width = int(lengths[0]) if len(w) else 0
+            out = alloc((len(w), width), self.dtype)
+            self._fill(out.view(-1), w, g, start, lengths, total)
+            return out
+        if ragged == "list":
+            flat = alloc((total,), self.dtype)
+            self._fill(flat, w, g, start, lengths, total)
+            return list(torch.split(flat, lengths.tolist()))
+        longest = int(lengths.max()) if len(w) else 0
+        padded = alloc((len(w), longest), self.dtype)
+        lens = alloc((len(w),), torch.int64)
+        if not padded.is_meta:
+            padded.zero_()
+            flat = torch.empty((total,), dtype=self.dtype)
+            self._fill(flat, w, g, start, lengths, total)
+            mask = torch.arange(longest) < torch.from_numpy(lengths)[:, None]
+            padded[mask] = flat
+        if not lens.is_meta:
+            lens.copy_(torch.from_numpy(lengths))
+        return padded, lens
+
+    def _fill(self, out: torch.Tensor, w: Where, g: Gatherer, start: np.ndarray,
+              lengths: np.ndarray, total: int) -> None:
+        if out.is_meta or total == 0:
+            return
+        first = np.cumsum(lengths) - lengths
+        row_addr = self.values[w.batch] + start * self.dtype.itemsize
+        within = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
+        addr = np.repeat(row_addr, lengths) + within * self.dtype.itemsize
+        shard = np.repeat(w.shard, lengths) if w.single is None else w.shard
+        carrier = out.view(CARRIERS[self.s] if self.s == self.dtype.itemsize else torch.uint8)
+        g.rows(carrier.view(total, -1), shard, w.single, addr, self.s)
+
+    def split(self, collated: Any, rows: int) -> list[Any]:
+        return list(collated)
+
+
+class BytesPlan(Plan):
+    """Strings and binaries (variable or fixed width): ``str`` / ``bytes`` items, lists batched."""
+
+    def __init__(self, text: bool, data: np.ndarray, spans: _Spans | None, width: int) -> None:
+        self.text, self.data, self.spans, self.width = text, data, spans, width
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        if self.spans is None:
+            start = self.data[w.batch] + w.local * self.width
+            end = start + self.width
+        else:
+            lo, hi = self.spans.bounds(w, g)
+            start, end = self.data[w.batch] + lo, self.data[w.batch] + hi
+        views = g.spans(w.shard, w.single, start, end)
+        if self.text:
+            return [str(v, "utf-8") for v in views]
+        return [v.tobytes() for v in views]
+
+    def split(self, collated: Any, rows: int) -> list[Any]:
+        return list(collated)
+
+
+class StructPlan(Plan):
+    """A struct: a dict of its fields, each gathered by its own plan."""
+
+    def __init__(self, fields: dict[str, Plan]) -> None:
+        self.fields = fields
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        return {k: p.collate(w, g, alloc, ragged) for k, p in self.fields.items()}
+
+    def split(self, collated: Any, rows: int) -> list[Any]:
+        parts = {k: p.split(collated[k], rows) for k, p in self.fields.items()}
+        return [{k: v[r] for k, v in parts.items()} for r in range(rows)]
+
+
+# -- building plans ------------------------------------------------------------------------------
+
+
+def _buffer_address(buf: pa.Buffer | None) -> int:
+    return 0 if buf is None else int(buf.address)
+
+
+def _fixed_shape(t: pa.DataType) -> tuple[pa.DataType, tuple[int, ...]]:
+    """The number type at the bottom of nested fixed-size lists / a fixed-shape tensor, and the
+    row shape."""
+    if isinstance(t, pa.FixedShapeTensorType):
+        return t.value_type, tuple(int(d) for d in t.shape)
+    shape: list[int] = []
+    while pa.types.is_fixed_size_list(t):
+        shape.append(t.list_size)
+        t = t.value_type
+    return t, tuple(shape)
+
+
+def _flat_values(a: pa.Array) -> pa.Array:
+    """The number array under nested fixed-size lists, sliced to start at row 0."""
+    if isinstance(a, pa.ExtensionArray):
+        a = a.storage
+    while pa.types.is_fixed_size_list(a.type):
+        a = a.flatten()
+    return a
+
+
+def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Sequence[Shard],
+               source: str) -> Plan:
+    """The plan of column ``name`` of type ``t``; ``arrays[k]`` is its array in record batch
+    ``k``, which lives in ``shards[k]``; ``source`` names the file in errors."""
+
+    def refuse(why: str = "") -> ArrowSourceError:
+        return ArrowSourceError(
+            f"{source}: column {name!r} has type {t}{why}, which ArrowDataset cannot read; "
+            f"supported: {SUPPORTED}. Cast it when packing (e.g. timestamps to int64, "
+            f"dictionaries decoded, nested lists flattened)"
+        )
+
+    if t in NUMBER_DTYPES or pa.types.is_fixed_size_list(t) or isinstance(
+        t, pa.FixedShapeTensorType
+    ):
+        if isinstance(t, pa.FixedShapeTensorType) and t.permutation is not None and list(
+            t.permutation
+        ) != list(range(len(t.shape))):
+            raise refuse(f" (permutation {list(t.permutation)})")
+        value_type, shape = _fixed_shape(t)
+        if value_type not in NUMBER_DTYPES:
+            raise refuse()
+        dtype = NUMBER_DTYPES[value_type]
+        flats = [_flat_values(a) for a in arrays]
+        data = _offsets(flats, shards, lambda f: _buffer_address(f.buffers()[1])
+                        + f.offset * dtype.itemsize)
+        return FixedPlan(dtype, shape, data)
+    if pa.types.is_boolean(t):
+        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1]))
+        bit0 = np.array([a.offset for a in arrays], dtype=np.int64)
+        return BoolPlan(data, bit0)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        if t.value_type not in NUMBER_DTYPES:
+            raise refuse()
+        dtype = NUMBER_DTYPES[t.value_type]
+        width = 8 if pa.types.is_large_list(t) else 4
+        offs = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
+                        + a.offset * width)
+        values = _offsets(arrays, shards, lambda a: _buffer_address(a.values.buffers()[1])
+                          + a.values.offset * dtype.itemsize)
+        return VarListPlan(name, dtype, _Spans(offs, width), values)
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
+        pa.types.is_large_binary(t)
+    ):
+        text = pa.types.is_string(t) or pa.types.is_large_string(t)
+        width = 8 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else 4
+        offs = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
+                        + a.offset * width)
+        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[2]))
+        return BytesPlan(text, data, _Spans(offs, width), 0)
+    if pa.types.is_fixed_size_binary(t):
+        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
+                        + a.offset * t.byte_width)
+        return BytesPlan(False, data, None, t.byte_width)
+    if pa.types.is_struct(t):
+        children = [a.flatten() for a in arrays]
+        return StructPlan({
+            t.field(i).name: build_plan(f"{name}.{t.field(i).name}", t.field(i).type,
+                                        [c[i] for c in children], shards, source)
+            for i in range(t.num_fields)
+        })
+    raise refuse()
+
+
+def first_null_row(a: pa.Array) -> int | None:
+    """The first row of ``a`` that is null or holds a null anywhere inside, or None."""
+    if isinstance(a, pa.ExtensionArray):
+        a = a.storage
+    candidates: list[int] = []
+    if a.null_count:
+        candidates.append(int(np.flatnonzero(a.is_null().to_numpy(zero_copy_only=False))[0]))
+    t = a.type
+    if pa.types.is_fixed_size_list(t):
+        inner = first_null_row(a.flatten())
+        if inner is not None:
+            candidates.append(inner // t.list_size)
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = first_null_row(a.flatten())
+        if inner is not None:
+            offsets = a.offsets.to_numpy()
+            candidates.append(int(np.searchsorted(offsets - offsets[0], inner, "right")) - 1)
+    elif pa.types.is_struct(t):
+        for child in a.flatten():
+            inner = first_null_row(child)
+            if inner is not None:
+                candidates.append(inner)
+    return min(candidates) if candidates else None
