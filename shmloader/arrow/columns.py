@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -87,15 +88,19 @@ class Gatherer:
             win = self.shards[k].window(s, n)
             out[torch.from_numpy(pos)] = win.index_select(0, torch.from_numpy(addr[pos] // s))
 
-    def spans(self, shard: np.ndarray, single: int | None, start: np.ndarray,
-              end: np.ndarray) -> list[memoryview]:
-        """The byte ranges ``[start[r], end[r])`` of shard ``shard[r]``, as memoryviews."""
-        if single is not None:
-            view = self.shards[single].view
-            return [view[a:b] for a, b in zip(start.tolist(), end.tolist(), strict=True)]
-        views = [s.view for s in self.shards]
-        return [views[k][a:b] for k, a, b in zip(shard.tolist(), start.tolist(), end.tolist(),
-                                                 strict=True)]
+    def concat(self, shard: np.ndarray, single: int | None, start: np.ndarray,
+               end: np.ndarray) -> bytes:
+        """The byte ranges ``[start[r], end[r])`` of shard ``shard[r]``, back to back."""
+        lengths = end - start
+        total = int(lengths.sum())
+        if total == 0:
+            return b""
+        first = np.cumsum(lengths) - lengths
+        addr = np.repeat(start, lengths) + np.arange(total, dtype=np.int64) - np.repeat(
+            first, lengths)
+        out = torch.empty((total, 1), dtype=torch.uint8)
+        self.rows(out, np.repeat(shard, lengths) if single is None else shard, single, addr, 1)
+        return out.numpy().tobytes()
 
 
 class Plan:
@@ -252,10 +257,16 @@ class BytesPlan(Plan):
         else:
             lo, hi = self.spans.bounds(w, g)
             start, end = self.data[w.batch] + lo, self.data[w.batch] + hi
-        views = g.spans(w.shard, w.single, start, end)
-        if self.text:
-            return [str(v, "utf-8") for v in views]
-        return [v.tobytes() for v in views]
+        blob = g.concat(w.shard, w.single, start, end)
+        cuts = np.concatenate([[0], np.cumsum(end - start)]).tolist()
+        bounds = pairwise(cuts)
+        if not self.text:
+            return [blob[a:b] for a, b in bounds]
+        if blob.isascii():  # byte offsets are character offsets: decode once, then slice
+            text = blob.decode("ascii")
+            return [text[a:b] for a, b in bounds]
+        view = memoryview(blob)
+        return [str(view[a:b], "utf-8") for a, b in bounds]
 
     def split(self, collated: Any, rows: int) -> list[Any]:
         return list(collated)

@@ -76,7 +76,6 @@ class Shard:
         self.batches = [b for b in batches if b.num_rows]
         for k, batch in enumerate(self.batches):
             self._check_in_mapping(batch, k)
-        self.view = memoryview(self.buffer)
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> Shard:
