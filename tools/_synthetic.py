@@ -227,14 +227,19 @@ def _arrow_rows(kind: str, start: int, stop: int, seed: int) -> Any:
     return pa.RecordBatch.from_pydict({"pixels": pixels, "label": labels, "name": names})
 
 
+def arrow_file_path(kind: str, rows: int, seed: int, directory: str | None = None) -> str:
+    """Where :func:`arrow_file` keeps the file ``kind`` of ``rows`` rows for ``seed``."""
+    folder = directory or tempfile.gettempdir()
+    return os.path.join(folder, f"shmloader-{kind}-{rows}-{seed}.arrow")
+
+
 def arrow_file(kind: str, rows: int, seed: int, directory: str | None = None) -> str:
     """The path of the synthetic Arrow IPC file ``kind`` (see ``_arrow_rows``), written on first
     use into ``directory`` (default: the temp directory) and reused while it exists; written
     under a temporary name and renamed, so a reader never sees a partial file."""
     import pyarrow as pa
 
-    folder = directory or tempfile.gettempdir()
-    path = os.path.join(folder, f"shmloader-{kind}-{rows}-{seed}.arrow")
+    path = arrow_file_path(kind, rows, seed, directory)
     if os.path.exists(path):
         return path
     tmp = f"{path}.partial-{os.getpid()}"
