@@ -30,7 +30,7 @@ def test_pixels_rows_agree_in_file_memory_and_list(tmp_path):
                              PyRowsDataset.from_arrow(path))
     for i in (0, rows - 1):
         same(memory[i], arrow[i])
-        same(listed[i], arrow[i])
+        same(default_collate([listed[i]]), default_collate([arrow[i]]))  # label: int vs tensor
     assert arrow[rows - 1]["pixels"].shape == (3, 32, 32)
     assert arrow[rows - 1]["pixels"].dtype is torch.uint8
 
