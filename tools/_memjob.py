@@ -111,11 +111,22 @@ class PixelsInMemory(Dataset[dict[str, Any]]):
     def __init__(self, path: str) -> None:
         import pyarrow as pa
 
-        table = pa.ipc.open_file(pa.memory_map(path)).read_all()
-        pixels = table.column("pixels").combine_chunks()
-        self.pixels = pixels.storage.flatten().to_numpy().reshape(-1, *pixels.type.shape).copy()
-        self.labels = table.column("label").to_numpy().copy()
-        self.names = np.array(table.column("name").to_pylist(), dtype=np.bytes_)
+        reader = pa.ipc.open_file(pa.memory_map(path))
+        shape = reader.schema.field("pixels").type.shape
+        rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        self.pixels = np.empty((rows, *shape), dtype=np.uint8)  # filled batch by batch: one copy
+        self.labels = np.empty(rows, dtype=np.int64)
+        names: list[str] = []
+        start = 0
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            stop = start + batch.num_rows
+            pixels = batch.column("pixels").storage.flatten().to_numpy()
+            self.pixels[start:stop] = pixels.reshape(-1, *shape)
+            self.labels[start:stop] = batch.column("label").to_numpy()
+            names += batch.column("name").to_pylist()
+            start = stop
+        self.names = np.array(names, dtype=np.bytes_)
 
     def __len__(self) -> int:
         return len(self.labels)

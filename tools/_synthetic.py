@@ -273,18 +273,20 @@ class PyRowsDataset(Dataset[dict[str, Any]]):
         """The rows of an ``arrow_file`` (``pixels`` kept as bytes, lists as lists)."""
         import pyarrow as pa
 
-        table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+        reader = pa.ipc.open_file(pa.memory_map(path))  # batch by batch: no copy of the table
         columns: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        if "pixels" in table.column_names:
-            flat = table.column("pixels").combine_chunks().storage.flatten().to_numpy()
-            blobs = [flat[i * PIXELS_BYTES : (i + 1) * PIXELS_BYTES].tobytes()
-                     for i in range(table.num_rows)]
-            table = table.drop_columns(["pixels"])
-            rows = [{"pixels": b, **r} for b, r in zip(blobs, table.to_pylist(), strict=True)]
-            columns["pixels"] = (torch.uint8, PIXELS_SHAPE)
-        else:
-            rows = table.to_pylist()
-            columns["features"] = (torch.float32, (TABULAR_COLUMNS,))
+        rows: list[dict[str, Any]] = []
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            if "pixels" in batch.schema.names:
+                flat = batch.column("pixels").storage.flatten().to_numpy()
+                part = batch.drop_columns(["pixels"]).to_pylist()
+                rows += [{"pixels": flat[k * PIXELS_BYTES : (k + 1) * PIXELS_BYTES].tobytes(), **r}
+                         for k, r in enumerate(part)]
+                columns["pixels"] = (torch.uint8, PIXELS_SHAPE)
+            else:
+                rows += batch.to_pylist()
+                columns["features"] = (torch.float32, (TABULAR_COLUMNS,))
         return cls(rows, columns)
 
     def __len__(self) -> int:
