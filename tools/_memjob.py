@@ -111,7 +111,7 @@ class PixelsInMemory(Dataset[dict[str, Any]]):
     def __init__(self, path: str) -> None:
         import pyarrow as pa
 
-        reader = pa.ipc.open_file(pa.memory_map(path))
+        reader = pa.ipc.open_file(pa.OSFile(path))  # read, not mapped: only the copy stays
         shape = reader.schema.field("pixels").type.shape
         rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
         self.pixels = np.empty((rows, *shape), dtype=np.uint8)  # filled batch by batch: one copy

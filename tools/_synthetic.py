@@ -273,7 +273,7 @@ class PyRowsDataset(Dataset[dict[str, Any]]):
         """The rows of an ``arrow_file`` (``pixels`` kept as bytes, lists as lists)."""
         import pyarrow as pa
 
-        reader = pa.ipc.open_file(pa.memory_map(path))  # batch by batch: no copy of the table
+        reader = pa.ipc.open_file(pa.OSFile(path))  # read batch by batch, not mapped
         columns: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         rows: list[dict[str, Any]] = []
         for i in range(reader.num_record_batches):
