@@ -111,7 +111,8 @@ class PixelsInMemory(Dataset[dict[str, Any]]):
     def __init__(self, path: str) -> None:
         import pyarrow as pa
 
-        reader = pa.ipc.open_file(pa.OSFile(path))  # read, not mapped: only the copy stays
+        # read, not mapped, through malloc (which gives freed batches back): only the copy stays
+        reader = pa.ipc.open_file(pa.OSFile(path), memory_pool=pa.system_memory_pool())
         shape = reader.schema.field("pixels").type.shape
         rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
         self.pixels = np.empty((rows, *shape), dtype=np.uint8)  # filled batch by batch: one copy

@@ -273,7 +273,8 @@ class PyRowsDataset(Dataset[dict[str, Any]]):
         """The rows of an ``arrow_file`` (``pixels`` kept as bytes, lists as lists)."""
         import pyarrow as pa
 
-        reader = pa.ipc.open_file(pa.OSFile(path))  # read batch by batch, not mapped
+        # read batch by batch, not mapped, through malloc (which gives freed batches back)
+        reader = pa.ipc.open_file(pa.OSFile(path), memory_pool=pa.system_memory_pool())
         columns: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         rows: list[dict[str, Any]] = []
         for i in range(reader.num_record_batches):
