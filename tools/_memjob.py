@@ -112,7 +112,8 @@ class PixelsInMemory(Dataset[dict[str, Any]]):
         import pyarrow as pa
 
         # read, not mapped, through malloc (which gives freed batches back): only the copy stays
-        reader = pa.ipc.open_file(pa.OSFile(path), memory_pool=pa.system_memory_pool())
+        malloc = pa.system_memory_pool()
+        reader = pa.ipc.open_file(pa.OSFile(path, memory_pool=malloc), memory_pool=malloc)
         shape = reader.schema.field("pixels").type.shape
         rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
         self.pixels = np.empty((rows, *shape), dtype=np.uint8)  # filled batch by batch: one copy

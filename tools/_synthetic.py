@@ -274,7 +274,8 @@ class PyRowsDataset(Dataset[dict[str, Any]]):
         import pyarrow as pa
 
         # read batch by batch, not mapped, through malloc (which gives freed batches back)
-        reader = pa.ipc.open_file(pa.OSFile(path), memory_pool=pa.system_memory_pool())
+        malloc = pa.system_memory_pool()
+        reader = pa.ipc.open_file(pa.OSFile(path, memory_pool=malloc), memory_pool=malloc)
         columns: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         rows: list[dict[str, Any]] = []
         for i in range(reader.num_record_batches):
