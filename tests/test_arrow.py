@@ -238,6 +238,13 @@ def test_shards_concatenate_in_order(tmp_path):
     same(shards[100], whole[100])
 
 
+def test_a_file_without_rows_is_an_empty_dataset(tmp_path):
+    ds = ArrowDataset(write_file(tabular_table(5).slice(0, 0), tmp_path / "empty.arrow"))
+    assert len(ds) == 0 and slot_default_collate(ds.__getitems__([]))["name"] == []
+    with pytest.raises(IndexError):
+        ds[0]
+
+
 def test_dataset_pickles_by_path_at_a_size_independent_of_the_file(tmp_path):
     small = ArrowDataset(write_file(tabular_table(10), tmp_path / "s.arrow"))
     big = ArrowDataset(write_file(tabular_table(20_000), tmp_path / "b.arrow"))

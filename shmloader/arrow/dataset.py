@@ -175,10 +175,9 @@ class ArrowDataset(Dataset[dict[str, Any]]):
             )
         batch = np.searchsorted(self._starts, idx, side="right") - 1
         shard = self._batch_shard[batch]
-        single = int(shard[0]) if len(self._shards) == 1 or (
-            len(shard) and (shard == shard[0]).all()) else None
-        if not len(shard):
-            single = 0
+        single: int | None = 0
+        if len(shard) and len(self._shards) > 1:
+            single = int(shard[0]) if (shard == shard[0]).all() else None
         return Where(batch, idx - self._starts[batch], shard, single)
 
     def _collate(self, where: Where, alloc: Alloc, ragged: Ragged) -> dict[str, Any]:
