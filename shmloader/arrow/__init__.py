@@ -11,8 +11,9 @@ Public names: :class:`ArrowDataset`, :class:`ArrowSourceError`, :func:`collate_r
 transform decoding an encoded image column with Pillow). ``python -m tools.pack`` writes the
 files from Parquet, CSV, NumPy arrays or an image folder.
 
-Modules: ``shard`` (one mapped source), ``columns`` (a gather plan per Arrow type), ``rows`` (the
-lazily gathered batch of rows), ``dataset``, ``collate``, ``images``, ``errors``.
+Modules: ``shard`` (one mapped source), ``columns`` (the gather plans), ``build`` (Arrow type to
+plan, null check), ``rows`` (the lazily gathered batch of rows), ``dataset``, ``collate``,
+``images``, ``errors``.
 """
 
 from shmloader.arrow.collate import collate_padded, collate_ragged

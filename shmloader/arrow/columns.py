@@ -2,7 +2,8 @@
 
 A plan knows, for every record batch of every shard, the byte offsets (from the shard's base) of
 the column's buffers, so a batch of rows is gathered with a few vectorised ``index_select`` calls
-over the mapped file, never a Python loop over rows for fixed-width data:
+over the mapped file, never a Python loop over rows for fixed-width data. Plans are built from
+the Arrow types in :mod:`shmloader.arrow.build`:
 
 ==========================================  ===============================================
 Arrow type                                  item (``ds[i][col]``) / batch (default collate)
@@ -10,7 +11,8 @@ Arrow type                                  item (``ds[i][col]``) / batch (defau
 int8..int64, uint8..uint64, float16..64     0-d tensor of that dtype / ``[B]``
 bool                                        0-d ``torch.bool`` / ``[B]``
 fixed_size_list (nested), fixed_shape_tensor  tensor of the row shape / ``[B, *shape]``
-list / large_list of a number type          1-D tensor / ``[B, L]`` if every length is ``L``
+list / large_list of a number type          1-D tensor / ``[B, L]`` if every length is ``L``,
+                                            else an error naming ``collate_padded``
 string / large_string, binary, fixed binary ``str`` / ``bytes``; a list of them
 struct of any of these                      dict / dict of the fields' batches
 ==========================================  ===============================================
@@ -21,38 +23,23 @@ Invariants:
   ``meta`` tensor from ``alloc`` (shmloader planning a slot) is returned unfilled.
 - :meth:`Plan.split` turns a batch collated with ``ragged="list"`` back into per-row items; the
   items of ``ds[i]`` come from that path, so items and batches cannot disagree.
-- Nulls are refused at open (:func:`first_null_row`), so no gather ever meets one.
+- Nulls are refused at open (``build.first_null_row``), so no gather ever meets one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from shmloader.arrow.errors import ArrowSourceError
 from shmloader.arrow.shard import CARRIERS, Shard
+from shmloader.collate import Alloc
 
-Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 Ragged = Literal["stack", "list", "pad"]
-
-NUMBER_DTYPES: Final[dict[pa.DataType, torch.dtype]] = {
-    pa.int8(): torch.int8, pa.int16(): torch.int16, pa.int32(): torch.int32,
-    pa.int64(): torch.int64, pa.uint8(): torch.uint8, pa.uint16(): torch.uint16,
-    pa.uint32(): torch.uint32, pa.uint64(): torch.uint64, pa.float16(): torch.float16,
-    pa.float32(): torch.float32, pa.float64(): torch.float64,
-}
-SUPPORTED: Final = (
-    "int8..int64, uint8..uint64, float16/32/64, bool, fixed_size_list and fixed_shape_tensor of "
-    "numbers, list/large_list of numbers, string/large_string, binary/large_binary/"
-    "fixed_size_binary, struct of these"
-)
-
 
 @dataclass(frozen=True)
 class Where:
@@ -113,13 +100,6 @@ class Plan:
         raise NotImplementedError
 
 
-def _offsets(arrays: Sequence[pa.Array], shards: Sequence[Shard], pick: Callable[[pa.Array], int],
-             ) -> np.ndarray:
-    """Per record batch, ``pick(array)`` (an absolute address) as an offset from its shard."""
-    return np.array([pick(a) - s.base for a, s in zip(arrays, shards, strict=True)],
-                    dtype=np.int64)
-
-
 def _carrier_size(itemsize: int, offsets: np.ndarray) -> int:
     """The widest carrier every address is aligned to (Arrow aligns buffers to 8 bytes)."""
     return itemsize if not len(offsets) or not (offsets % itemsize).any() else 1
@@ -167,7 +147,7 @@ class BoolPlan(Plan):
         return list(collated.unbind(0))
 
 
-class _Spans:
+class Spans:
     """Shared by variable-length types: gather each row's ``[start, end)`` from its offsets."""
 
     def __init__(self, offsets: np.ndarray, width: int) -> None:
@@ -190,7 +170,7 @@ class VarListPlan(Plan):
     a zero-padded ``[B, max L]`` tensor and the int64 lengths ``[B]``).
     """
 
-    def __init__(self, name: str, dtype: torch.dtype, spans: _Spans, values: np.ndarray) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, spans: Spans, values: np.ndarray) -> None:
         self.name, self.dtype, self.spans, self.values = name, dtype, spans, values
         self.s = _carrier_size(dtype.itemsize, values)
 
@@ -247,7 +227,7 @@ class VarListPlan(Plan):
 class BytesPlan(Plan):
     """Strings and binaries (variable or fixed width): ``str`` / ``bytes`` items, lists batched."""
 
-    def __init__(self, text: bool, data: np.ndarray, spans: _Spans | None, width: int) -> None:
+    def __init__(self, text: bool, data: np.ndarray, spans: Spans | None, width: int) -> None:
         self.text, self.data, self.spans, self.width = text, data, spans, width
 
     def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
@@ -284,120 +264,3 @@ class StructPlan(Plan):
     def split(self, collated: Any, rows: int) -> list[Any]:
         parts = {k: p.split(collated[k], rows) for k, p in self.fields.items()}
         return [{k: v[r] for k, v in parts.items()} for r in range(rows)]
-
-
-# -- building plans ------------------------------------------------------------------------------
-
-
-def _buffer_address(buf: pa.Buffer | None) -> int:
-    return 0 if buf is None else int(buf.address)
-
-
-def _fixed_shape(t: pa.DataType) -> tuple[pa.DataType, tuple[int, ...]]:
-    """The number type at the bottom of nested fixed-size lists / a fixed-shape tensor, and the
-    row shape."""
-    if isinstance(t, pa.FixedShapeTensorType):
-        return t.value_type, tuple(int(d) for d in t.shape)
-    shape: list[int] = []
-    while pa.types.is_fixed_size_list(t):
-        shape.append(t.list_size)
-        t = t.value_type
-    return t, tuple(shape)
-
-
-def _flat_values(a: pa.Array) -> pa.Array:
-    """The number array under nested fixed-size lists, sliced to start at row 0."""
-    if isinstance(a, pa.ExtensionArray):
-        a = a.storage
-    while pa.types.is_fixed_size_list(a.type):
-        a = a.flatten()
-    return a
-
-
-def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Sequence[Shard],
-               source: str) -> Plan:
-    """The plan of column ``name`` of type ``t``; ``arrays[k]`` is its array in record batch
-    ``k``, which lives in ``shards[k]``; ``source`` names the file in errors."""
-
-    def refuse(why: str = "") -> ArrowSourceError:
-        return ArrowSourceError(
-            f"{source}: column {name!r} has type {t}{why}, which ArrowDataset cannot read; "
-            f"supported: {SUPPORTED}. Cast it when packing (e.g. timestamps to int64, "
-            f"dictionaries decoded, nested lists flattened)"
-        )
-
-    if t in NUMBER_DTYPES or pa.types.is_fixed_size_list(t) or isinstance(
-        t, pa.FixedShapeTensorType
-    ):
-        if isinstance(t, pa.FixedShapeTensorType) and t.permutation is not None and list(
-            t.permutation
-        ) != list(range(len(t.shape))):
-            raise refuse(f" (permutation {list(t.permutation)})")
-        value_type, shape = _fixed_shape(t)
-        if value_type not in NUMBER_DTYPES:
-            raise refuse()
-        dtype = NUMBER_DTYPES[value_type]
-        flats = [_flat_values(a) for a in arrays]
-        data = _offsets(flats, shards, lambda f: _buffer_address(f.buffers()[1])
-                        + f.offset * dtype.itemsize)
-        return FixedPlan(dtype, shape, data)
-    if pa.types.is_boolean(t):
-        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1]))
-        bit0 = np.array([a.offset for a in arrays], dtype=np.int64)
-        return BoolPlan(data, bit0)
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        if t.value_type not in NUMBER_DTYPES:
-            raise refuse()
-        dtype = NUMBER_DTYPES[t.value_type]
-        width = 8 if pa.types.is_large_list(t) else 4
-        offs = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
-                        + a.offset * width)
-        values = _offsets(arrays, shards, lambda a: _buffer_address(a.values.buffers()[1])
-                          + a.values.offset * dtype.itemsize)
-        return VarListPlan(name, dtype, _Spans(offs, width), values)
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
-        pa.types.is_large_binary(t)
-    ):
-        text = pa.types.is_string(t) or pa.types.is_large_string(t)
-        width = 8 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else 4
-        offs = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
-                        + a.offset * width)
-        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[2]))
-        return BytesPlan(text, data, _Spans(offs, width), 0)
-    if pa.types.is_fixed_size_binary(t):
-        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
-                        + a.offset * t.byte_width)
-        return BytesPlan(False, data, None, t.byte_width)
-    if pa.types.is_struct(t):
-        children = [a.flatten() for a in arrays]
-        return StructPlan({
-            t.field(i).name: build_plan(f"{name}.{t.field(i).name}", t.field(i).type,
-                                        [c[i] for c in children], shards, source)
-            for i in range(t.num_fields)
-        })
-    raise refuse()
-
-
-def first_null_row(a: pa.Array) -> int | None:
-    """The first row of ``a`` that is null or holds a null anywhere inside, or None."""
-    if isinstance(a, pa.ExtensionArray):
-        a = a.storage
-    candidates: list[int] = []
-    if a.null_count:
-        candidates.append(int(np.flatnonzero(a.is_null().to_numpy(zero_copy_only=False))[0]))
-    t = a.type
-    if pa.types.is_fixed_size_list(t):
-        inner = first_null_row(a.flatten())
-        if inner is not None:
-            candidates.append(inner // t.list_size)
-    elif pa.types.is_list(t) or pa.types.is_large_list(t):
-        inner = first_null_row(a.flatten())
-        if inner is not None:
-            offsets = a.offsets.to_numpy()
-            candidates.append(int(np.searchsorted(offsets - offsets[0], inner, "right")) - 1)
-    elif pa.types.is_struct(t):
-        for child in a.flatten():
-            inner = first_null_row(child)
-            if inner is not None:
-                candidates.append(inner)
-    return min(candidates) if candidates else None

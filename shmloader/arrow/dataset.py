@@ -28,10 +28,12 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
-from shmloader.arrow.columns import Alloc, Gatherer, Plan, Ragged, Where, build_plan, first_null_row
+from shmloader.arrow.build import build_plan, first_null_row
+from shmloader.arrow.columns import Gatherer, Plan, Ragged, Where
 from shmloader.arrow.errors import ArrowSourceError
 from shmloader.arrow.rows import ArrowRows
 from shmloader.arrow.shard import Shard, ShardSpec
+from shmloader.collate import Alloc
 
 Source: TypeAlias = "str | os.PathLike[str] | pa.Table | Sequence[str | os.PathLike[str]]"
 
