@@ -7,6 +7,7 @@ import torch
 
 import shmloader
 from shmloader.arrow import ArrowDataset, collate_padded
+from shmloader.arrow.rows import ArrowRows
 from tests.arrow_files import every_type_table, tabular_table, write_file
 from tests.test_arrow import FIXED, same
 
@@ -56,3 +57,13 @@ def test_shards_under_workers(tmp_path):
     paths = [write_file(table.slice(0, 50), tmp_path / "a.arrow", chunk=9),
              write_file(table.slice(50), tmp_path / "b.arrow", chunk=13)]
     _compare(ArrowDataset(paths), num_workers=2, multiprocessing_context="fork")
+
+
+def test_shmloader_workers_gather_columns_without_building_rows(every_path, monkeypatch):
+    def refuse(self):
+        raise AssertionError("a worker built per-row dicts")
+
+    monkeypatch.setattr(ArrowRows, "_fill", refuse)  # forked workers inherit the patch
+    ds = ArrowDataset(every_path, columns=["vec", "i64", "name", "flag"])
+    loader = shmloader.DataLoader(ds, batch_size=32, num_workers=2, multiprocessing_context="fork")
+    assert sum(len(batch["name"]) for batch in loader) == len(ds)
