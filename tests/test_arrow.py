@@ -356,14 +356,33 @@ def test_unsupported_column_type_names_file_column_and_type(tmp_path, array):
     (pa.array([1.0, 2.0, None, 4.0] * 30, pa.float32()), 2),
     (pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 3, None] * 30, pa.int16()), 2), 1),
     (pa.array([[1], [2, None]] * 60, pa.list_(pa.int8())), 1),
-    (pa.array(["a", None] * 60), 1),
-], ids=["number", "inside-fixed-list", "inside-list", "string"])
+    (pa.array([{"a": 1}, None] * 60), 1),
+    (pa.array([{"a": 1}, {"a": None}] * 60), 1),
+], ids=["number", "inside-fixed-list", "inside-list", "struct", "inside-struct"])
 def test_nulls_are_refused_naming_file_column_and_row(tmp_path, array, row):
     table = pa.table({"x": array.slice(0, 120)})
     p = write_file(table.slice(0, 50), tmp_path / "a.arrow", chunk=7)
     p2 = write_file(table.slice(50, 70), tmp_path / "b.arrow", chunk=7)
     with pytest.raises(ArrowSourceError, match=rf"a.arrow: column 'x' has a null at row {row} "):
         ArrowDataset([p, p2])
+
+
+@pytest.mark.parametrize("array", [
+    pa.array(["a", None, "c"] * 40),
+    pa.array([b"a", None, b"c"] * 40, pa.large_binary()),
+    pa.array([b"ab", None, b"cd"] * 40, pa.binary(2)),
+], ids=["string", "large-binary", "fixed-binary"])
+def test_nulls_in_strings_and_binaries_are_none_as_in_pyarrow(tmp_path, array):
+    table = pa.table({"x": array, "meta": pa.array([{"path": v} for v in array.to_pylist()])})
+    ds = ArrowDataset(write_file(table, tmp_path / "n.arrow", chunk=7))
+    assert [ds[i]["x"] for i in range(6)] == array.to_pylist()[:6]
+    assert ds[1]["meta"] == {"path": None}
+    same(slot_default_collate(ds.__getitems__([2, 1, 0])),
+         default_collate([ds[i] for i in (2, 1, 0)]))
+    for batch in (ds.__getitems__([1, 0]), [ds[1], ds[0]]):  # torch refuses a None first
+        collate = slot_default_collate if isinstance(batch, ArrowRows) else default_collate
+        with pytest.raises(TypeError, match="found <class 'NoneType'>"):
+            collate(batch)
 
 
 def test_index_out_of_range_is_an_index_error(ds):

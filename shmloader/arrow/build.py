@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 
 from shmloader.arrow.columns import (
+    Bits,
     BoolPlan,
     BytesPlan,
     FixedPlan,
@@ -104,9 +105,7 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
                         + f.offset * dtype.itemsize)
         return FixedPlan(dtype, shape, data)
     if pa.types.is_boolean(t):
-        data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1]))
-        bit0 = np.array([a.offset for a in arrays], dtype=np.int64)
-        return BoolPlan(data, bit0)
+        return BoolPlan(_bits(arrays, shards, 1))
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         if t.value_type not in NUMBER_DTYPES:
             raise refuse()
@@ -125,11 +124,11 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
         offs = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
                         + a.offset * width)
         data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[2]))
-        return BytesPlan(text, data, Spans(offs, width), 0)
+        return BytesPlan(text, data, Spans(offs, width), 0, _validity(arrays, shards))
     if pa.types.is_fixed_size_binary(t):
         data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
                         + a.offset * t.byte_width)
-        return BytesPlan(False, data, None, t.byte_width)
+        return BytesPlan(False, data, None, t.byte_width, _validity(arrays, shards))
     if pa.types.is_struct(t):
         children = [a.flatten() for a in arrays]
         return StructPlan({
@@ -140,12 +139,33 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
     raise refuse()
 
 
+def _bits(arrays: Sequence[pa.Array], shards: Sequence[Shard], buffer: int) -> Bits:
+    """Bitmap ``buffer`` (0: validity, 1: a bool array's values) of every record batch."""
+    bufs = [a.buffers()[buffer] for a in arrays]
+    data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[buffer]))
+    data[[b is None for b in bufs]] = 0
+    bit0 = np.array([a.offset for a in arrays], dtype=np.int64)
+    return Bits(data, bit0, np.array([b is not None for b in bufs], dtype=bool))
+
+
+def _validity(arrays: Sequence[pa.Array], shards: Sequence[Shard]) -> Bits | None:
+    """The validity bitmaps of a column that may hold nulls, or None if no batch has one."""
+    return _bits(arrays, shards, 0) if any(a.null_count for a in arrays) else None
+
+
+def may_be_null(t: pa.DataType) -> bool:
+    """Types whose nulls ``ds[i]`` gives as None: strings and binaries."""
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+                or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t))
+
+
 def first_null_row(a: pa.Array) -> int | None:
-    """The first row of ``a`` that is null or holds a null anywhere inside, or None."""
+    """The first row of ``a`` that is null or holds a null anywhere inside (nulls of strings and
+    binaries, which may be null, aside), or None."""
     if isinstance(a, pa.ExtensionArray):
         a = a.storage
     candidates: list[int] = []
-    if a.null_count:
+    if a.null_count and not may_be_null(a.type):
         candidates.append(int(np.flatnonzero(a.is_null().to_numpy(zero_copy_only=False))[0]))
     t = a.type
     if pa.types.is_fixed_size_list(t):

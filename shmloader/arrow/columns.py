@@ -13,7 +13,7 @@ bool                                        0-d ``torch.bool`` / ``[B]``
 fixed_size_list (nested), fixed_shape_tensor  tensor of the row shape / ``[B, *shape]``
 list / large_list of a number type          1-D tensor / ``[B, L]`` if every length is ``L``,
                                             else an error naming ``collate_padded``
-string / large_string, binary, fixed binary ``str`` / ``bytes``; a list of them
+string / large_string, binary, fixed binary ``str`` / ``bytes`` (null: ``None``); a list
 struct of any of these                      dict / dict of the fields' batches
 ==========================================  ===============================================
 
@@ -23,7 +23,8 @@ Invariants:
   ``meta`` tensor from ``alloc`` (shmloader planning a slot) is returned unfilled.
 - :meth:`Plan.split` turns a batch collated with ``ragged="list"`` back into per-row items; the
   items of ``ds[i]`` come from that path, so items and batches cannot disagree.
-- Nulls are refused at open (``build.first_null_row``), so no gather ever meets one.
+- Nulls are refused at open (``build.first_null_row``) except in strings and binaries, whose
+  plan reads the validity bitmap and gives ``None``; no other gather ever meets one.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ import torch
 from shmloader.arrow.shard import CARRIERS, Shard
 from shmloader.collate import Alloc
 
-Ragged = Literal["stack", "list", "pad"]
+Ragged = Literal["stack", "list", "pad", "rows"]  # "rows": the items of ds[i] (no checks)
+NONE_IN_BATCH = (  # torch's default_collate, when a batch's first value is None
+    "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
+)
 
 @dataclass(frozen=True)
 class Where:
@@ -126,21 +130,36 @@ class FixedPlan(Plan):
         return list(collated.unbind(0))
 
 
-class BoolPlan(Plan):
-    """Bit-packed booleans: the byte holding each bit is gathered, then the bit is extracted."""
+class Bits:
+    """A bitmap per record batch (values of a bool column, or validity): ``data`` its address,
+    ``bit0`` the array's offset in bits; ``present[k]`` False where batch ``k`` has none (all
+    ones, Arrow's way of saying "no nulls")."""
 
-    def __init__(self, data: np.ndarray, bit0: np.ndarray) -> None:
-        self.data, self.bit0 = data, bit0  # validity-free bitmap address, offset in bits
+    def __init__(self, data: np.ndarray, bit0: np.ndarray, present: np.ndarray) -> None:
+        self.data, self.bit0, self.present = data, bit0, present
 
-    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
-        out = alloc((len(w),), torch.bool)
-        if out.is_meta or not len(w):
-            return out
+    def read(self, w: Where, g: Gatherer, out: torch.Tensor) -> None:
+        """Write the rows' bits (0 or 1) into ``out`` (``[R]`` uint8): the byte holding each bit
+        is gathered, then the bit is extracted."""
         bit = self.bit0[w.batch] + w.local
         raw = torch.empty((len(w), 1), dtype=torch.uint8)
         g.rows(raw, w.shard, w.single, self.data[w.batch] + (bit >> 3), 1)
         shift = torch.from_numpy((bit & 7).astype(np.uint8))
-        torch.bitwise_and(raw[:, 0].bitwise_right_shift(shift), 1, out=out.view(torch.uint8))
+        torch.bitwise_and(raw[:, 0].bitwise_right_shift(shift), 1, out=out)
+        if not self.present.all():
+            out[torch.from_numpy(~self.present[w.batch])] = 1
+
+
+class BoolPlan(Plan):
+    """Bit-packed booleans."""
+
+    def __init__(self, bits: Bits) -> None:
+        self.bits = bits
+
+    def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        out = alloc((len(w),), torch.bool)
+        if not out.is_meta and len(w):
+            self.bits.read(w, g, out.view(torch.uint8))
         return out
 
     def split(self, collated: Any, rows: int) -> list[Any]:
@@ -191,7 +210,7 @@ class VarListPlan(Plan):
             out = alloc((len(w), width), self.dtype)
             self._fill(out.view(-1), w, g, start, lengths, total)
             return out
-        if ragged == "list":
+        if ragged in ("list", "rows"):
             flat = alloc((total,), self.dtype)
             self._fill(flat, w, g, start, lengths, total)
             return list(torch.split(flat, lengths.tolist()))
@@ -225,12 +244,29 @@ class VarListPlan(Plan):
 
 
 class BytesPlan(Plan):
-    """Strings and binaries (variable or fixed width): ``str`` / ``bytes`` items, lists batched."""
+    """Strings and binaries (variable or fixed width): ``str`` / ``bytes`` items, lists batched.
 
-    def __init__(self, text: bool, data: np.ndarray, spans: Spans | None, width: int) -> None:
+    Nulls are allowed here (Hugging Face image structs hold ``path: null``) and come back as
+    ``None``; a batch whose first value is None raises what ``default_collate`` raises for it.
+    """
+
+    def __init__(self, text: bool, data: np.ndarray, spans: Spans | None, width: int,
+                 valid: Bits | None) -> None:
         self.text, self.data, self.spans, self.width = text, data, spans, width
+        self.valid = valid  # None: no record batch has a null
 
     def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
+        values = self._values(w, g)
+        if self.valid is not None and len(w):
+            ok = torch.empty(len(w), dtype=torch.uint8)
+            self.valid.read(w, g, ok)
+            for r in np.flatnonzero(ok.numpy() == 0).tolist():
+                values[r] = None
+            if values[0] is None and ragged != "rows":
+                raise TypeError(NONE_IN_BATCH.format(type(None)))
+        return values
+
+    def _values(self, w: Where, g: Gatherer) -> list[Any]:
         if self.spans is None:
             start = self.data[w.batch] + w.local * self.width
             end = start + self.width

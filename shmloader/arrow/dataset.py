@@ -10,7 +10,8 @@ Invariants:
 - ``len(ds)`` is the total row count of the shards, in order; row ``i`` lives in record batch
   ``searchsorted(starts, i, "right") - 1`` (empty record batches are dropped at open).
 - Open refuses what could fail later: a non-Arrow, compressed or truncated file, shards whose
-  selected columns differ in type, a missing or unsupported column, and any null. Afterwards a
+  selected columns differ in type, a missing or unsupported column, and any null outside a
+  string or binary column (those give ``None``, as ``Table.to_pylist`` does). Afterwards a
   gather can fail only on an index out of range (``IndexError``) or a file changed on disk.
 - Pickling carries :class:`ShardSpec` records (paths and identities; an in-memory table's IPC
   bytes), the column names and the transform; never a mapped buffer.
@@ -190,7 +191,7 @@ class ArrowDataset(Dataset[dict[str, Any]]):
 
     def _rows(self, where: Where) -> list[dict[str, Any]]:
         """The rows ``where`` as item dicts (one gather into private memory, then split)."""
-        batch = self._collate(where, _torch_empty, "list")
+        batch = self._collate(where, _torch_empty, "rows")
         parts = {c: p.split(batch[c], len(where)) for c, p in self._plans.items()}
         return [{c: v[r] for c, v in parts.items()} for r in range(len(where))]
 
