@@ -6,6 +6,10 @@ While a worker runs a task, a :class:`SlotSession` is current. Two things alloca
 - :func:`empty`, the public helper a custom ``collate_fn`` calls to allocate its outputs inside the
   slot (``torch.empty`` when no session is current, e.g. under torch's own DataLoader).
 
+A dataset's ``__getitems__`` may return :class:`GatheredRows` (``shmloader.arrow`` does): to any
+collate_fn it is the list of samples, but the default collate asks it to collate itself, which
+lets it gather whole columns straight into the slot instead of stacking per-sample tensors.
+
 Invariants:
 - Allocation never fails. When the slot is full (or there is none yet), :func:`empty` allocates in
   private memory and marks the session ``overflowed``; packing then asks for a bigger slot and
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +34,22 @@ from shmloader._torch_compat import collate, collate_tensor_fn, default_collate_
 from shmloader.dtypes import CODE_OF
 
 _session: SlotSession | None = None
+
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class GatheredRows(list):  # type: ignore[type-arg]
+    """A batch of samples that can collate itself (a dataset's ``__getitems__`` returns one).
+
+    To every collate_fn, torch's ``default_collate`` included, it is the list of samples. The
+    default collate instead calls :meth:`collate_into`, which returns what ``default_collate``
+    would return for those samples, every tensor allocated by ``alloc(shape, dtype)`` (inside the
+    slot, or a ``meta`` tensor to leave unfilled while the session plans), or ``NotImplemented``
+    to have the samples collated one by one.
+    """
+
+    def collate_into(self, alloc: Alloc) -> Any:
+        return NotImplemented
 
 
 class SlotSession:
@@ -184,6 +204,16 @@ SLOT_COLLATE_FN_MAP: dict[Any, Any] = {
 }
 
 
+def _alloc_in_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if _session is None:
+        return torch.empty(shape, dtype=dtype)
+    return _session.empty(shape, dtype, plan=True)
+
+
 def slot_default_collate(batch: Any) -> Any:
     """``torch.utils.data.default_collate`` with every stacked tensor born in the slot."""
+    if isinstance(batch, GatheredRows):
+        out = batch.collate_into(_alloc_in_slot)
+        if out is not NotImplemented:
+            return out
     return collate(batch, collate_fn_map=SLOT_COLLATE_FN_MAP)

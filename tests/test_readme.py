@@ -31,6 +31,14 @@ def _needs_gpu(code: str) -> bool:
 def test_every_python_snippet_runs_as_written(code, tmp_path):
     if _needs_gpu(code) and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    if "train.arrow" in code:  # the file the README's `tools.pack` command writes just before
+        import pyarrow as pa
+        import pyarrow.feather as feather
+
+        table = pa.table({"x": pa.array([[float(i)] * 4 for i in range(64)],
+                                        pa.list_(pa.float32(), 4)),
+                          "label": pa.array(range(64), pa.int64())})
+        feather.write_feather(table, str(tmp_path / "train.arrow"), compression="uncompressed")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=120)

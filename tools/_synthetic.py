@@ -18,19 +18,27 @@ from it, so ``__getitem__`` is cheap and a benchmark measures the loader's data 
   and decoded on every ``__getitem__``.
 - ``pinned``  the ``image`` dataset loaded with ``pin_memory=True``; the consumer copies every
   batch to ``cuda`` (needs CUDA).
+- ``arrow``   ``shmloader.arrow.ArrowDataset`` over an Arrow IPC file of ``rows`` rows of
+  ``features`` (64 float32, a fixed-size list), ``label`` (int64) and ``name`` (a string), written
+  once by :func:`arrow_file` into the temp directory and reused (about 280 bytes per row).
+- ``arrow-list`` the same rows as a Python list of dicts (``features`` a list of 64 floats, as
+  ``Table.to_pylist()`` gives them), converted to tensors per item: ``PyRowsDataset``; the same
+  batches as ``arrow`` under ``default_collate``.
 
 ``BlobPoolDataset`` (not a named workload) serves flat uint8 samples of any size from a small pool;
 ``tools.scaling`` sizes it so that one batch has a target number of bytes.
 
-All datasets are top-level classes holding only tensors, bytes and ints, so they pickle for spawned
-workers.
+All datasets are top-level classes holding only tensors, bytes and ints (or, for ``arrow``, a
+path), so they pickle for spawned workers.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +47,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-WORKLOADS: tuple[str, ...] = ("image", "tabular", "null", "ragged", "decode", "pinned")
+WORKLOADS: tuple[str, ...] = (
+    "image", "tabular", "null", "ragged", "decode", "pinned", "arrow", "arrow-list"
+)
 NUM_LABELS = 1000
 POOL_SIZE = 8
 IMAGE_SHAPE = (3, 512, 512)
@@ -47,6 +57,8 @@ RAGGED_SIDE = (384, 512)  # inclusive bounds of H and W
 TABULAR_COLUMNS = 64
 JPEG_SIDE = 256
 JPEG_QUALITY = 90
+PIXELS_SHAPE = (3, 32, 32)  # rows of the "pixels" Arrow table (the memprof arrow workload)
+PIXELS_BYTES = 3 * 32 * 32
 DEVICE = "cuda"  # where the pinned workload's consumer copies each batch
 
 # samples (rows for tabular) and batch size per workload: (full run, --quick run, batch size)
@@ -57,7 +69,10 @@ SIZES: dict[str, tuple[int, int, int]] = {
     "ragged": (1024, 128, 32),
     "decode": (256, 64, 32),
     "pinned": (1024, 128, 32),
+    "arrow": (200_000, 20_000, 256),
+    "arrow-list": (200_000, 20_000, 256),
 }
+ARROW_CHUNK_ROWS = 65_536  # rows per record batch of the files arrow_file writes
 
 
 class WorkloadUnavailable(RuntimeError):
@@ -205,6 +220,110 @@ class JpegDataset(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(pixels).permute(2, 0, 1), index % NUM_LABELS
 
 
+def _arrow_rows(kind: str, start: int, stop: int, seed: int) -> Any:
+    """Rows ``[start, stop)`` of the synthetic table ``kind`` as a ``pyarrow.RecordBatch``; row
+    ``i`` depends only on ``(seed, i)``, so any chunking gives the same table.
+
+    ``tabular``: ``features`` 64 float32 (fixed-size list), ``label`` int64, ``name`` string.
+    ``pixels``: ``pixels`` 3x32x32 uint8 (fixed-shape tensor), ``label`` int64, ``name`` string.
+    """
+    import pyarrow as pa
+
+    rng = np.random.default_rng([seed, start])
+    n = stop - start
+    index = np.arange(start, stop, dtype=np.int64)
+    names = pa.array([f"row-{i:09d}" for i in range(start, stop)])
+    labels = pa.array(index % NUM_LABELS)
+    if kind == "tabular":
+        features = pa.FixedSizeListArray.from_arrays(
+            pa.array(rng.random(n * TABULAR_COLUMNS, dtype=np.float32)), TABULAR_COLUMNS)
+        return pa.RecordBatch.from_pydict({"features": features, "label": labels, "name": names})
+    pixels = pa.ExtensionArray.from_storage(
+        pa.fixed_shape_tensor(pa.uint8(), list(PIXELS_SHAPE)),
+        pa.FixedSizeListArray.from_arrays(
+            pa.array(rng.integers(0, 256, n * PIXELS_BYTES, dtype=np.uint8)), PIXELS_BYTES))
+    return pa.RecordBatch.from_pydict({"pixels": pixels, "label": labels, "name": names})
+
+
+def arrow_file_path(kind: str, rows: int, seed: int, directory: str | None = None) -> str:
+    """Where :func:`arrow_file` keeps the file ``kind`` of ``rows`` rows for ``seed``."""
+    folder = directory or tempfile.gettempdir()
+    return os.path.join(folder, f"shmloader-{kind}-{rows}-{seed}.arrow")
+
+
+def arrow_file(kind: str, rows: int, seed: int, directory: str | None = None) -> str:
+    """The path of the synthetic Arrow IPC file ``kind`` (see ``_arrow_rows``), written on first
+    use into ``directory`` (default: the temp directory) and reused while it exists; written
+    under a temporary name and renamed, so a reader never sees a partial file."""
+    import pyarrow as pa
+
+    path = arrow_file_path(kind, rows, seed, directory)
+    if os.path.exists(path):
+        return path
+    tmp = f"{path}.partial-{os.getpid()}"
+    try:
+        with pa.OSFile(tmp, "wb") as sink:
+            first = _arrow_rows(kind, 0, min(rows, ARROW_CHUNK_ROWS), seed)
+            with pa.ipc.new_file(sink, first.schema) as writer:
+                writer.write_batch(first)
+                for start in range(ARROW_CHUNK_ROWS, rows, ARROW_CHUNK_ROWS):
+                    writer.write_batch(_arrow_rows(kind, start, min(rows, start + ARROW_CHUNK_ROWS),
+                                                   seed))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class PyRowsDataset(Dataset[dict[str, Any]]):
+    """Rows held as a Python list of dicts (the objects pytorch#13246 is about); each item turns
+    the ``tensor_columns`` (name -> dtype, row shape) into tensors, the rest passes through, so
+    ``default_collate`` gives the batches ``ArrowDataset`` gives for the same rows."""
+
+    def __init__(self, rows: list[dict[str, Any]],
+                 tensor_columns: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.rows = rows
+        self.tensor_columns = tensor_columns
+
+    @classmethod
+    def from_arrow(cls, path: str) -> PyRowsDataset:
+        """The rows of an ``arrow_file`` (``pixels`` kept as bytes, lists as lists)."""
+        import pyarrow as pa
+
+        # read batch by batch, not mapped, through malloc (which gives freed batches back)
+        malloc = pa.system_memory_pool()
+        reader = pa.ipc.open_file(pa.OSFile(path, memory_pool=malloc), memory_pool=malloc)
+        columns: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        rows: list[dict[str, Any]] = []
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            if "pixels" in batch.schema.names:
+                flat = batch.column("pixels").storage.flatten().to_numpy()
+                part = batch.drop_columns(["pixels"]).to_pylist()
+                rows += [{"pixels": flat[k * PIXELS_BYTES : (k + 1) * PIXELS_BYTES].tobytes(), **r}
+                         for k, r in enumerate(part)]
+                columns["pixels"] = (torch.uint8, PIXELS_SHAPE)
+            else:
+                rows += batch.to_pylist()
+                columns["features"] = (torch.float32, (TABULAR_COLUMNS,))
+        return cls(rows, columns)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.rows[index]
+        out = dict(row)
+        for name, (dtype, shape) in self.tensor_columns.items():
+            value = row[name]
+            if isinstance(value, bytes):
+                out[name] = torch.frombuffer(bytearray(value), dtype=dtype).view(shape)
+            else:
+                out[name] = torch.tensor(value, dtype=dtype).view(shape)
+        return out
+
+
 @dataclass(frozen=True)
 class Workload:
     """One benchmark workload: the dataset, how it is batched, and a one-line description."""
@@ -242,6 +361,15 @@ def make_workload(name: str, *, seed: int, quick: bool, batch_size: int | None =
         return Workload(name, TabularDataset(n, seed), batch, None, desc)
     if name == "null":
         return Workload(name, NullDataset(n), batch, None, f"{n} x one preallocated float32")
+    if name in ("arrow", "arrow-list"):
+        from shmloader.arrow import ArrowDataset
+
+        path = arrow_file("tabular", n, seed)
+        desc = f"{n} rows: 64 float32 + int64 + string"
+        if name == "arrow":
+            return Workload(name, ArrowDataset(path), batch, None, f"{desc}, ArrowDataset")
+        return Workload(name, PyRowsDataset.from_arrow(path), batch, None,
+                        f"{desc}, Python list of dicts")
     if name == "ragged":
         lo, hi = RAGGED_SIDE
         desc = f"{n} x 3x[{lo}..{hi}]x[{lo}..{hi}] uint8, padded"

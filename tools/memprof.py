@@ -3,6 +3,7 @@
     python -m tools.memprof --workload image --loader shmloader --workers 2 --out DIR
     python -m tools.memprof --workload image --compare --out DIR     # torch, then shmloader
     python -m tools.memprof --out DIR -- python train.py --epochs 1  # any command
+    python -m tools.memprof --workload arrow --workers 8 --out DIR   # rows: mapped/NumPy/list
     ... --live                                   # slots by state and memory per process, live
 
 Installed (``pip install shmloader``), the same CLI is the command ``shmloader-memprof``.
@@ -19,6 +20,16 @@ which its shmloader loaders export their stats (shmloader/export.py).
 Outputs in DIR: samples.csv, shm.csv, arena.csv, summary.json (tools._memrecord), timeline.png
 (when matplotlib is installed); with ``--compare``, DIR/torch/ and DIR/shmloader/ hold one run each
 and DIR/summary.json the two summaries with the ratios shmloader / torch.
+
+``--workload arrow`` profiles the same rows (a file of just over 1 GiB, tools._memjob) held three
+ways, one job each with ``--loader``: memory-mapped by ``ArrowDataset`` (arrow-file), read into
+NumPy arrays (arrow-memory: an in-memory dataset of the same length) and into a Python list of
+dicts (arrow-list). DIR/<job>/ holds each run, DIR/compare.png their total PSS over time and
+DIR/summary.json the table: peak total PSS, its excess over arrow-memory (also as a fraction of
+the file), and, just after the last batch, the tree's anonymous and file-backed PSS and the
+workers' private dirty bytes (copy-on-read shows up there; a mapped file's page cache does not).
+The file is written first (unmeasured) into the temp directory and removed at the end unless it
+was there before or ``--keep-data`` is given.
 
 Invariants: sampling stops when the command's process has exited and no process of its tree is
 left (or ``--linger`` seconds after it exited; the survivors are listed, never killed). The exit
@@ -51,7 +62,8 @@ from ._procmem import ProcessTree, ProcSample, read_rows, read_shm
 CHECKOUT = Path(__file__).resolve().parent.parent if __package__ == "tools" else None
 # Built-in jobs (tools._memjob, which imports torch: never imported here, so the profiler stays
 # small and starts fast).
-JOB_WORKLOADS = ("image", "tabular", "cow", "cow-numpy")
+JOB_WORKLOADS = ("image", "tabular", "cow", "cow-numpy", "arrow-file", "arrow-memory", "arrow-list")
+ARROW_JOBS = ("arrow-file", "arrow-memory", "arrow-list")  # what --workload arrow runs, in order
 LOADERS = ("torch", "shmloader")
 # The environment shmloader reads to export loader stats (shmloader/export.py; not imported here,
 # so the profiler itself never imports torch).
@@ -278,6 +290,70 @@ def run_compare(args: argparse.Namespace, out: Path) -> int:
     return status
 
 
+def arrow_table(runs: dict[str, dict[str, Any]], file_bytes: int) -> tuple[str, dict[str, Any]]:
+    """The side-by-side table of ``--workload arrow`` and its numbers (module docstring)."""
+    base = int(runs["arrow-memory"]["peak_total_pss"]) if "arrow-memory" in runs else 0
+    lines = [f"{'MiB':<14}{'peak total PSS':>16}{'over memory':>13}{'/ file':>8}"
+             f"{'|  at the end: anon':>20}{'file':>9}{'workers dirty':>15}"]
+    table: dict[str, Any] = {"file_bytes": file_bytes}
+    for name, s in runs.items():
+        at_end = (s.get("job") or {}).get("at_end") or {}
+        main, workers = at_end.get("main", {}), at_end.get("workers", {})
+        anon = sum(int(d.get("Pss_Anon", 0)) for d in (main, workers))
+        cached = sum(int(d.get("Pss_File", 0)) for d in (main, workers))
+        dirty = int(workers.get("Private_Dirty", 0))
+        total = int(s["peak_total_pss"])
+        over = total - base
+        table[name] = {"peak_total_pss": total, "over_memory": over,
+                       "over_memory_per_file": over / file_bytes if file_bytes else None,
+                       "end_pss_anon": anon, "end_pss_file": cached,
+                       "end_workers_private_dirty": dirty, "at_end": at_end}
+        lines.append(f"{name:<14}{mib(total):>16}{mib(over):>13}{over / file_bytes:>8.2f}"
+                     f"{mib(anon):>20}{mib(cached):>9}{mib(dirty):>15}")
+    return "\n".join(lines), table
+
+
+def run_arrow(args: argparse.Namespace, out: Path) -> int:
+    """``--workload arrow``: the ARROW_JOBS one after another, then the table and the plot."""
+    prepare = [sys.executable, "-m", f"{__package__}._memjob", "--prepare", "--seed",
+               str(args.seed)]
+    env = dict(os.environ)
+    if CHECKOUT is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")]))
+    created, path = subprocess.run(prepare + (["--quick"] if args.quick else []), env=env,
+                                   check=True, capture_output=True, text=True).stdout.split(" ", 1)
+    path = path.strip()
+    runs: dict[str, dict[str, Any]] = {}
+    status = 0
+    try:
+        file_bytes = os.path.getsize(path)
+        for job in ARROW_JOBS:
+            args.workload = job
+            summary, interrupted = profile_job(args, args.loader, out / job)
+            runs[job] = summary
+            status = status or summary["exit_code"] or 0
+            if interrupted:
+                return 130
+    finally:
+        args.workload = "arrow"
+        if created == "1" and not args.keep_data:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    table, numbers = arrow_table(runs, file_bytes)
+    head = f"== arrow: the same rows three ways, {args.loader}, {args.workers} workers"
+    print(f"\n{head}\n   file: {path}, {mib(file_bytes)} MiB\n{table}")
+    result = {"workload": "arrow", "loader": args.loader, "workers": args.workers,
+              "quick": args.quick, "file": path, **numbers, "runs": runs}
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.no_plot:
+        from ._plot import render_compare
+
+        plot = render_compare(out, {k: out / k for k in runs}, head[3:])
+        if plot is not None:
+            print(f"comparison plot: {plot}")
+    return status
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -296,9 +372,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                 description="Profile a loading job's memory over time.",
                                 epilog=f"usage with a command: {name} [OPTIONS] "
                                        "-- python train.py ...")
-    p.add_argument("--workload", choices=JOB_WORKLOADS,
+    p.add_argument("--workload", choices=(*JOB_WORKLOADS, "arrow"),
                    help="built-in job (cow: a Python list read by index under fork, "
-                        "cow-numpy: the same records in NumPy arrays)")
+                        "cow-numpy: the same records in NumPy arrays; arrow: the same rows "
+                        "memory-mapped, in NumPy and in a Python list, side by side)")
     p.add_argument("--loader", choices=LOADERS, default="shmloader")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batches", type=int, default=0, help="batches to load (default: one epoch)")
@@ -316,11 +393,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="after the command exits, follow its leftover processes this long")
     p.add_argument("--out", type=Path, default=Path("memprof-results"))
     p.add_argument("--no-plot", action="store_true", help="do not render PNG plots")
+    p.add_argument("--keep-data", action="store_true",
+                   help="--workload arrow: keep the data file it wrote in the temp directory")
     args = p.parse_args(argv)
     if bool(command) == bool(args.workload):
         p.error("give either --workload or a command after --, not both")
     if args.compare and not args.workload:
         p.error("--compare needs --workload")
+    if args.compare and args.workload == "arrow":
+        p.error("--workload arrow compares datasets under one --loader; drop --compare")
     if args.workers < 0:
         p.error(f"--workers must be >= 0, got {args.workers}")
     return args, command
@@ -340,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.compare:
             return run_compare(args, args.out)
+        if args.workload == "arrow":
+            return run_arrow(args, args.out)
         if command:
             summary, interrupted = profile(command, args=args, label=" ".join(command)[:60],
                                            out=args.out)

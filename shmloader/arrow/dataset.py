@@ -1,0 +1,204 @@
+"""``ArrowDataset``: a map-style dataset over memory-mapped Arrow files, gathered by column.
+
+The rows live in the page cache, not in Python objects, so a forked worker never copies them
+(pytorch#13246), and a spawned one re-maps the files by path at a cost independent of their size.
+``ds[i]`` is a dict of the selected columns (types: :mod:`shmloader.arrow.columns`);
+``ds.__getitems__(indices)``, which torch's fetcher calls, returns :class:`ArrowRows`, which
+shmloader's default collate gathers column by column straight into the batch's slot.
+
+Invariants:
+- ``len(ds)`` is the total row count of the shards, in order; row ``i`` lives in record batch
+  ``searchsorted(starts, i, "right") - 1`` (empty record batches are dropped at open).
+- Open refuses what could fail later: a non-Arrow, compressed or truncated file, shards whose
+  selected columns differ in type, a missing or unsupported column, and any null outside a
+  string or binary column (those give ``None``, as ``Table.to_pylist`` does). Afterwards a
+  gather can fail only on an index out of range (``IndexError``) or a file changed on disk.
+- Pickling carries :class:`ShardSpec` records (paths and identities; an in-memory table's IPC
+  bytes), the column names and the transform; never a mapped buffer.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset
+
+from shmloader.arrow.build import build_plan, first_null_row
+from shmloader.arrow.columns import Gatherer, Plan, Ragged, Where
+from shmloader.arrow.errors import ArrowSourceError
+from shmloader.arrow.rows import ArrowRows
+from shmloader.arrow.shard import Shard, ShardSpec
+from shmloader.collate import Alloc
+
+Source: TypeAlias = "str | os.PathLike[str] | pa.Table | Sequence[str | os.PathLike[str]]"
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class ArrowDataset(Dataset[dict[str, Any]]):
+    """Rows of Arrow IPC files (or streams, or shards of them) as dicts of tensors and strings.
+
+    Args:
+        source: the path of an Arrow IPC file or stream file, a list of such paths (shards,
+            concatenated in order), or an in-memory ``pyarrow.Table``. A table is serialised
+            once into an IPC buffer (one copy of its bytes); workers started by fork share it,
+            but spawn and forkserver workers each receive a pickled copy — write the table to a
+            file (``pyarrow.feather.write_feather(table, path, compression="uncompressed")``)
+            for low-RAM jobs.
+        columns: the columns to read, in this order (default: all).
+        transform: called on each item (a dict) in ``ds[i]`` and ``__getitems__``, e.g. to decode
+            an encoded image. With a transform, batches are collated item by item.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        columns: Sequence[str] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> None:
+        if isinstance(columns, str):
+            raise TypeError(f"columns must be a list of column names, got the string {columns!r}")
+        if isinstance(source, pa.Table):
+            shards = [Shard.from_table(source)]
+        elif isinstance(source, str | os.PathLike):
+            shards = [Shard.from_path(source)]
+        else:
+            paths = list(source)
+            if not paths:
+                raise ValueError("ArrowDataset needs at least one source path, got an empty list")
+            shards = [Shard.from_path(p) for p in paths]
+        self._setup(shards, None if columns is None else list(columns), transform)
+
+    def _setup(self, shards: list[Shard], columns: list[str] | None,
+               transform: Callable[[dict[str, Any]], Any] | None) -> None:
+        self.transform = transform
+        self._shards = shards
+        first = shards[0]
+        names = list(first.schema.names) if columns is None else columns
+        for shard in shards:
+            missing = [c for c in names if c not in shard.schema.names]
+            if missing:
+                raise ArrowSourceError(
+                    f"{shard.name}: no column {', '.join(map(repr, missing))}; the file has "
+                    f"{', '.join(map(repr, shard.schema.names))}"
+                )
+            for c in names:
+                a, b = first.schema.field(c).type, shard.schema.field(c).type
+                if a != b:
+                    raise ArrowSourceError(
+                        f"{shard.name}: column {c!r} has type {b}, but {first.name} has {a}; "
+                        f"every shard must have the same types"
+                    )
+        self._columns = names
+        self.schema = pa.schema([first.schema.field(c) for c in names])
+        owners: list[Shard] = []
+        batch_shard: list[int] = []
+        rows: list[int] = []
+        in_file: list[int] = []  # row of the file where each record batch starts
+        for k, shard in enumerate(shards):
+            done = 0
+            for batch in shard.batches:
+                owners.append(shard)
+                batch_shard.append(k)
+                rows.append(batch.num_rows)
+                in_file.append(done)
+                done += batch.num_rows
+        self._starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
+        self._len = int(self._starts[-1])
+        self._starts = self._starts[:-1]
+        self._batch_shard = np.array(batch_shard, dtype=np.int64)
+        self._gatherer = Gatherer(shards)
+        self._plans: dict[str, Plan] = {}
+        for c in names:
+            arrays = [b.column(c) for s in shards for b in s.batches]
+            self._check_nulls(c, arrays, owners, in_file)
+            self._plans[c] = build_plan(c, first.schema.field(c).type, arrays, owners, first.name)
+
+    def _check_nulls(self, name: str, arrays: list[pa.Array], owners: list[Shard],
+                     in_file: list[int]) -> None:
+        for k, array in enumerate(arrays):
+            row = first_null_row(array)
+            if row is not None:
+                raise ArrowSourceError(
+                    f"{owners[k].name}: column {name!r} has a null at row {row + in_file[k]} "
+                    f"of the file "
+                    f"(row {int(row + self._starts[k])} of the dataset); ArrowDataset needs "
+                    f"every value: fill or drop nulls before packing (pyarrow.compute.fill_null, "
+                    f"Table.drop_null)"
+                )
+
+    # -- Dataset ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Any:
+        i = operator.index(index)
+        row = self._rows(self._where([i]))[0]
+        return row if self.transform is None else self.transform(row)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The rows at ``indices``: :class:`ArrowRows` (gathered by column when collated), or
+        with a transform the list of transformed items."""
+        where = self._where(indices)
+        if self.transform is None:
+            return ArrowRows(self, where)
+        return [self.transform(row) for row in self._rows(where)]
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self._columns)
+
+    def __repr__(self) -> str:
+        names = [s.name for s in self._shards]
+        where = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more shards"
+        return f"ArrowDataset({self._len} rows, columns {self._columns}, from {where})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, ([s.spec for s in self._shards], self._columns, self.transform))
+
+    # -- gathering -------------------------------------------------------------------------------
+
+    def _where(self, indices: Sequence[int]) -> Where:
+        idx = np.array(indices, dtype=np.int64).reshape(-1)
+        idx = np.where(idx < 0, idx + self._len, idx)
+        bad = np.flatnonzero((idx < 0) | (idx >= self._len))
+        if len(bad):
+            raise IndexError(
+                f"ArrowDataset index {int(np.asarray(indices).reshape(-1)[bad[0]])} out of range "
+                f"for {self._len} rows ({self._shards[0].name})"
+            )
+        batch = np.searchsorted(self._starts, idx, side="right") - 1
+        shard = self._batch_shard[batch]
+        single: int | None = 0
+        if len(shard) and len(self._shards) > 1:
+            single = int(shard[0]) if (shard == shard[0]).all() else None
+        return Where(batch, idx - self._starts[batch], shard, single)
+
+    def _collate(self, where: Where, alloc: Alloc, ragged: Ragged) -> dict[str, Any]:
+        """The batch of rows ``where``: what ``default_collate`` gives (``ragged="stack"``)."""
+        for shard in self._shards:
+            shard.check_unchanged()
+        return {c: p.collate(where, self._gatherer, alloc, ragged) for c, p in self._plans.items()}
+
+    def _rows(self, where: Where) -> list[dict[str, Any]]:
+        """The rows ``where`` as item dicts (one gather into private memory, then split)."""
+        batch = self._collate(where, _torch_empty, "rows")
+        parts = {c: p.split(batch[c], len(where)) for c, p in self._plans.items()}
+        return [{c: v[r] for c, v in parts.items()} for r in range(len(where))]
+
+
+def _restore(specs: list[ShardSpec], columns: list[str],
+             transform: Callable[[dict[str, Any]], Any] | None) -> ArrowDataset:
+    """Unpickle: re-open every shard (refusing files changed since), rebuild the plans."""
+    ds = ArrowDataset.__new__(ArrowDataset)
+    ds._setup([Shard(spec) for spec in specs], columns, transform)
+    return ds

@@ -1,0 +1,401 @@
+"""ArrowDataset in one process: values against pyarrow's own, batches against default_collate,
+formats and shards, the slot fast path, and every bad input the issue lists."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from shmloader.arrow import ArrowDataset, ArrowSourceError, collate_padded, collate_ragged
+from shmloader.arrow.rows import ArrowRows
+from shmloader.collate import SlotSession, slot_default_collate
+from tests.arrow_files import (
+    NUMBER_TYPES,
+    ROWS,
+    every_type_table,
+    tabular_table,
+    write_file,
+    write_stream,
+)
+
+INDICES = [3, 500, 7, 999, 96, 97, 98, 0, 3]  # repeats, record-batch edges, both ends
+FIXED = [*NUMBER_TYPES, "flag", "vec", "grid", "tensor", "name", "large_name", "blob",
+         "large_blob", "digest", "meta"]  # every column but the variable-length lists
+
+
+@pytest.fixture(scope="module")
+def table():
+    return every_type_table()
+
+
+@pytest.fixture(scope="module")
+def path(table, tmp_path_factory):
+    return write_file(table, tmp_path_factory.mktemp("arrow") / "every.arrow")
+
+
+@pytest.fixture(scope="module")
+def ds(path):
+    return ArrowDataset(path)
+
+
+def plain(value):
+    """An item's value as pyarrow's to_pylist gives it."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same(a, b):
+    """Batches equal in structure, type, dtype, shape and values."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(_bytes(a), _bytes(b))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            same(x, y)
+    else:
+        assert a == b
+
+
+# -- values ---------------------------------------------------------------------------------------
+
+
+def test_every_type_equals_pyarrows_own_values(ds, table):
+    assert len(ds) == ROWS == table.num_rows
+    for i in INDICES:
+        expected = table.slice(i, 1).to_pylist()[0]
+        item = ds[i]
+        assert list(item) == table.column_names
+        for name, value in item.items():
+            want = expected[name]
+            if name == "tensor":
+                assert value.shape == (2, 3, 4)
+                value = value.flatten()
+            assert plain(value) == want, (name, i)
+
+
+@pytest.mark.parametrize("name", list(NUMBER_TYPES))
+def test_number_columns_keep_their_dtype_as_0d_tensors(ds, name):
+    item = ds[5][name]
+    assert item.dtype is NUMBER_TYPES[name][1] and item.shape == ()
+
+
+def test_item_types_per_arrow_type(ds):
+    item = ds[4]
+    assert item["flag"].dtype is torch.bool and item["flag"].shape == ()
+    assert item["vec"].dtype is torch.float32 and item["vec"].shape == (64,)
+    assert item["grid"].dtype is torch.int16 and item["grid"].shape == (2, 3)
+    assert item["tensor"].dtype is torch.uint8 and item["tensor"].shape == (2, 3, 4)
+    assert item["tokens"].dtype is torch.int64 and item["tokens"].dim() == 1
+    assert item["big_tokens"].dtype is torch.float32 and item["big_tokens"].tolist() == [4.0] * 0
+    assert isinstance(item["name"], str) and isinstance(item["blob"], bytes)
+    assert item["digest"] == (4).to_bytes(4, "little")
+    assert plain(item["meta"]) == {"id": 4, "tag": "t4"}
+
+
+def test_negative_index_counts_from_the_end_as_a_list_does(ds):
+    same(ds[-1], ds[ROWS - 1])
+    assert ds[np.int64(3)]["i64"] == ds[3]["i64"]
+
+
+# -- batches --------------------------------------------------------------------------------------
+
+
+def test_slot_collate_equals_default_collate_of_the_items(path):
+    ds = ArrowDataset(path, columns=FIXED)
+    ours = slot_default_collate(ds.__getitems__(INDICES))
+    same(ours, default_collate([ds[i] for i in INDICES]))
+
+
+def test_torch_default_collate_of_getitems_equals_that_of_the_items(path):
+    ds = ArrowDataset(path, columns=FIXED)
+    same(default_collate(ds.__getitems__(INDICES)), default_collate([ds[i] for i in INDICES]))
+
+
+def test_columns_selects_and_orders(path):
+    ds = ArrowDataset(path, columns=["name", "i8"])
+    assert list(ds[0]) == ["name", "i8"] and ds.columns == ["name", "i8"]
+
+
+def test_gathered_columns_are_born_inside_the_slot(path):
+    ds = ArrowDataset(path, columns=["vec", "i64", "flag", "tokens"])
+    slot = memoryview(bytearray(1 << 20))
+    idx = [i for i in range(0, 400, 7) if ds[i]["tokens"].numel() == 3][:8]
+    with SlotSession(slot) as session:
+        batch = slot_default_collate(ds.__getitems__(idx))
+        for t in (batch["vec"], batch["i64"], batch["flag"], batch["tokens"]):
+            assert session.holds(t.data_ptr(), t.nbytes)
+        assert not session.overflowed
+    same(batch, default_collate([ds[i] for i in idx]))
+
+
+def test_without_a_slot_the_batch_is_planned_as_meta_tensors(path):
+    ds = ArrowDataset(path, columns=["vec", "name"])
+    with SlotSession(None) as session:
+        batch = slot_default_collate(ds.__getitems__([1, 2]))
+    assert session.planned and batch["vec"].is_meta and batch["vec"].shape == (2, 64)
+    assert batch["name"] == [ds[1]["name"], ds[2]["name"]]
+
+
+def test_equal_length_lists_stack_as_default_collate_does(tmp_path):
+    table = pa.table({"x": pa.array([[1, 2], [3, 4], [5, 6]], pa.list_(pa.int32()))})
+    ds = ArrowDataset(write_file(table, tmp_path / "eq.arrow", chunk=2))
+    same(slot_default_collate(ds.__getitems__([0, 2])), default_collate([ds[0], ds[2]]))
+
+
+def test_ragged_lists_refuse_default_collate_naming_the_column_and_the_fix(ds):
+    idx = [i for i in range(50) if ds[i]["tokens"].numel() in (1, 5)][:2]
+    with pytest.raises(RuntimeError, match=r"'tokens' holds variable-length.*collate_padded"):
+        slot_default_collate(ds.__getitems__(idx))
+    with pytest.raises(RuntimeError):  # torch's own default_collate refuses them too
+        default_collate(ds.__getitems__(idx))
+
+
+def test_collate_ragged_gives_a_list_of_1d_tensors(ds):
+    batch = collate_ragged(ds.__getitems__(INDICES))
+    same(batch["tokens"], [ds[i]["tokens"] for i in INDICES])
+    same(batch["vec"], torch.stack([ds[i]["vec"] for i in INDICES]))
+
+
+def test_collate_padded_gives_zero_padded_tensor_and_lengths(ds):
+    padded, lengths = collate_padded(ds.__getitems__(INDICES))["tokens"]
+    items = [ds[i]["tokens"] for i in INDICES]
+    same(lengths, torch.tensor([len(t) for t in items]))
+    same(padded, torch.nn.utils.rnn.pad_sequence(items, batch_first=True))
+
+
+def test_collate_helpers_refuse_plain_lists(ds):
+    with pytest.raises(TypeError, match=r"ArrowDataset\.__getitems__"):
+        collate_ragged([ds[0]])
+
+
+def test_transform_runs_per_item(path):
+    ds = ArrowDataset(path, columns=["i32"], transform=lambda r: {"twice": r["i32"] * 2})
+    assert ds[3]["twice"] == 2 * ArrowDataset(path)[3]["i32"]
+    rows = ds.__getitems__([3, 4])
+    assert type(rows) is list and len(rows) == 2
+
+
+# -- the lazy list --------------------------------------------------------------------------------
+
+
+def test_rows_behave_as_the_list_of_items(ds):
+    rows = ds.__getitems__([2, 1])
+    assert isinstance(rows, ArrowRows) and len(rows) == 2 and not rows._filled
+    assert rows[0]["i64"] == ds[2]["i64"]
+    assert len(rows) == 2 and rows.collate_into(torch.empty) is NotImplemented
+    assert [r["name"] for r in rows] == [ds[2]["name"], ds[1]["name"]]
+    named = ArrowDataset(ds._shards[0].name, columns=["name", "vec"])
+    copied = pickle.loads(pickle.dumps(named.__getitems__([1])))
+    assert type(copied) is list and copied[0]["name"] == ds[1]["name"]
+
+
+# -- sources --------------------------------------------------------------------------------------
+
+
+def test_stream_file_equals_ipc_file(table, ds, tmp_path):
+    stream = ArrowDataset(write_stream(table, tmp_path / "every.stream.arrow"))
+    same(stream[123], ds[123])
+    same(collate_ragged(stream.__getitems__(INDICES)), collate_ragged(ds.__getitems__(INDICES)))
+
+
+def test_in_memory_table_equals_the_file(table, ds):
+    mem = ArrowDataset(table)
+    same(mem[999], ds[999])
+    copy = pickle.loads(pickle.dumps(mem))
+    same(copy[5], ds[5])
+
+
+def test_shards_concatenate_in_order(tmp_path):
+    table = tabular_table(300)
+    paths = [write_file(table.slice(a, b - a), tmp_path / f"part{k}.arrow", chunk=40)
+             for k, (a, b) in enumerate([(0, 100), (100, 100), (100, 300)])]  # one is empty
+    shards = ArrowDataset(paths)
+    whole = ArrowDataset(write_file(table, tmp_path / "whole.arrow"))
+    assert len(shards) == 300
+    idx = [299, 0, 150, 99, 100, 5]
+    same(slot_default_collate(shards.__getitems__(idx)),
+         slot_default_collate(whole.__getitems__(idx)))
+    same(shards[100], whole[100])
+
+
+def test_a_file_without_rows_is_an_empty_dataset(tmp_path):
+    ds = ArrowDataset(write_file(tabular_table(5).slice(0, 0), tmp_path / "empty.arrow"))
+    assert len(ds) == 0 and slot_default_collate(ds.__getitems__([]))["name"] == []
+    with pytest.raises(IndexError):
+        ds[0]
+
+
+def test_dataset_pickles_by_path_at_a_size_independent_of_the_file(tmp_path):
+    small = ArrowDataset(write_file(tabular_table(10), tmp_path / "s.arrow"))
+    big = ArrowDataset(write_file(tabular_table(20_000), tmp_path / "b.arrow"))
+    assert len(pickle.dumps(big)) < 1000
+    assert abs(len(pickle.dumps(big)) - len(pickle.dumps(small))) < 20
+    same(pickle.loads(pickle.dumps(big))[19_999], big[19_999])
+
+
+def test_mapped_buffers_outlive_the_memory_map_object(path):
+    ds = ArrowDataset(path, columns=["vec"])
+    import gc
+
+    gc.collect()
+    assert ds[7]["vec"].shape == (64,)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_missing_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.arrow"):
+        ArrowDataset(tmp_path / "nope.arrow")
+
+
+def test_non_arrow_file_names_the_file(tmp_path):
+    p = tmp_path / "notes.txt"
+    p.write_text("hello, world\n" * 10)
+    with pytest.raises(ArrowSourceError, match=r"notes.txt: cannot read it as an Arrow IPC stream"):
+        ArrowDataset(p)
+
+
+def test_empty_file_is_refused(tmp_path):
+    p = tmp_path / "empty.arrow"
+    p.write_bytes(b"")
+    with pytest.raises(ArrowSourceError, match=r"empty\.arrow: the file is empty"):
+        ArrowDataset(p)
+
+
+def test_parquet_file_points_to_tools_pack(tmp_path):
+    p = tmp_path / "t.parquet"
+    pq.write_table(tabular_table(5), p)
+    with pytest.raises(ArrowSourceError, match=r"Parquet file.*python -m tools.pack"):
+        ArrowDataset(p)
+
+
+def test_compressed_ipc_file_is_refused_with_the_fix(tmp_path):
+    p = write_file(tabular_table(50), tmp_path / "z.arrow", compression="zstd")
+    with pytest.raises(ArrowSourceError, match=r"column 'features'.*compressed.*tools.pack"):
+        ArrowDataset(p)
+
+
+def test_truncated_file_is_refused_at_open(path, tmp_path):
+    p = tmp_path / "cut.arrow"
+    p.write_bytes(path.read_bytes()[: os.path.getsize(path) // 2])
+    with pytest.raises(ArrowSourceError, match=r"cut\.arrow: cannot read it"):
+        ArrowDataset(p)
+
+
+def test_truncated_stream_is_refused_at_open(table, tmp_path):
+    full = write_stream(table, tmp_path / "full.stream")
+    p = tmp_path / "cut.stream"
+    p.write_bytes(full.read_bytes()[:-1000])
+    with pytest.raises(ArrowSourceError, match=r"cut\.stream: cannot read it as an Arrow IPC"):
+        ArrowDataset(p)
+
+
+def test_file_rewritten_while_mapped_fails_the_next_batch_not_with_sigbus(tmp_path):
+    p = write_file(tabular_table(500), tmp_path / "t.arrow")
+    ds = ArrowDataset(p)
+    data = p.read_bytes()
+    with open(p, "r+b") as f:  # truncate in place, as a careless rewrite would
+        f.truncate(len(data) // 3)
+    with pytest.raises(ArrowSourceError, match=r"t.arrow: the file changed while mapped"):
+        slot_default_collate(ds.__getitems__([1, 2]))
+
+
+def test_file_changed_before_a_worker_reopens_it_is_refused(tmp_path):
+    p = write_file(tabular_table(50), tmp_path / "t.arrow")
+    blob = pickle.dumps(ArrowDataset(p))
+    write_file(tabular_table(60), p)
+    with pytest.raises(ArrowSourceError, match=r"t\.arrow: the file changed"):
+        pickle.loads(blob)
+
+
+def test_missing_column_lists_the_available_ones(path):
+    with pytest.raises(ArrowSourceError, match=r"no column 'nope'; the file has 'i8', 'i16'"):
+        ArrowDataset(path, columns=["i8", "nope"])
+
+
+def test_columns_as_a_string_is_a_type_error(path):
+    with pytest.raises(TypeError, match="list of column names"):
+        ArrowDataset(path, columns="i8")
+
+
+@pytest.mark.parametrize("array", [
+    pa.array([1, 2], pa.timestamp("s")),
+    pa.array(["a", "b"]).dictionary_encode(),
+    pa.array([[["x"]], [["y"]]]),
+    pa.array([1, 2], pa.decimal128(5, 2)),
+], ids=["timestamp", "dictionary", "nested-list", "decimal"])
+def test_unsupported_column_type_names_file_column_and_type(tmp_path, array):
+    p = write_file(pa.table({"ok": [1, 2], "bad": array}), tmp_path / "u.arrow")
+    with pytest.raises(ArrowSourceError, match=r"u.arrow: column 'bad' has type .*cannot read"):
+        ArrowDataset(p)
+    assert ArrowDataset(p, columns=["ok"])[1]["ok"] == 2
+
+
+@pytest.mark.parametrize("array, row", [
+    (pa.array([1.0, 2.0, None, 4.0] * 30, pa.float32()), 2),
+    (pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 3, None] * 30, pa.int16()), 2), 1),
+    (pa.array([[1], [2, None]] * 60, pa.list_(pa.int8())), 1),
+    (pa.array([{"a": 1}, None] * 60), 1),
+    (pa.array([{"a": 1}, {"a": None}] * 60), 1),
+], ids=["number", "inside-fixed-list", "inside-list", "struct", "inside-struct"])
+def test_nulls_are_refused_naming_file_column_and_row(tmp_path, array, row):
+    table = pa.table({"x": array.slice(0, 120)})
+    p = write_file(table.slice(0, 50), tmp_path / "a.arrow", chunk=7)
+    p2 = write_file(table.slice(50, 70), tmp_path / "b.arrow", chunk=7)
+    with pytest.raises(ArrowSourceError, match=rf"a.arrow: column 'x' has a null at row {row} "):
+        ArrowDataset([p, p2])
+
+
+@pytest.mark.parametrize("array", [
+    pa.array(["a", None, "c"] * 40),
+    pa.array([b"a", None, b"c"] * 40, pa.large_binary()),
+    pa.array([b"ab", None, b"cd"] * 40, pa.binary(2)),
+], ids=["string", "large-binary", "fixed-binary"])
+def test_nulls_in_strings_and_binaries_are_none_as_in_pyarrow(tmp_path, array):
+    table = pa.table({"x": array, "meta": pa.array([{"path": v} for v in array.to_pylist()])})
+    ds = ArrowDataset(write_file(table, tmp_path / "n.arrow", chunk=7))
+    assert [ds[i]["x"] for i in range(6)] == array.to_pylist()[:6]
+    assert ds[1]["meta"] == {"path": None}
+    same(slot_default_collate(ds.__getitems__([2, 1, 0])),
+         default_collate([ds[i] for i in (2, 1, 0)]))
+    for batch in (ds.__getitems__([1, 0]), [ds[1], ds[0]]):  # torch refuses a None first
+        collate = slot_default_collate if isinstance(batch, ArrowRows) else default_collate
+        with pytest.raises(TypeError, match="found <class 'NoneType'>"):
+            collate(batch)
+
+
+def test_index_out_of_range_is_an_index_error(ds):
+    with pytest.raises(IndexError, match=f"index 1000 out of range for {ROWS} rows"):
+        ds[ROWS]
+    with pytest.raises(IndexError, match="index -1001 out of range"):
+        ds[-ROWS - 1]
+    with pytest.raises(IndexError):
+        ds.__getitems__([0, ROWS + 5])
+
+
+def test_shards_with_different_types_are_refused(tmp_path):
+    a = write_file(pa.table({"x": pa.array([1], pa.int32())}), tmp_path / "a.arrow")
+    b = write_file(pa.table({"x": pa.array([1], pa.int64())}), tmp_path / "b.arrow")
+    with pytest.raises(ArrowSourceError, match=r"b.arrow: column 'x' has type int64, but "):
+        ArrowDataset([a, b])
