@@ -25,13 +25,14 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from arena import SlotWriter
 from shmloader._torch_compat import collate, collate_tensor_fn, default_collate_fn_map
-from shmloader.dtypes import CODE_OF
+from shmloader.dtypes import CODE_OF, NUMPY_DTYPE
 
 _session: SlotSession | None = None
 
@@ -52,17 +53,32 @@ class GatheredRows(list):  # type: ignore[type-arg]
         return NotImplemented
 
 
+class SlotView(NamedTuple):
+    """One slot's memory, viewed every way a session needs it (made once per slot and reused:
+    a worker writes many batches into the same slots)."""
+
+    memory: memoryview
+    tensor: torch.Tensor  # uint8
+    array: np.ndarray  # uint8, the same bytes
+    base: int  # address of the first byte
+    size: int
+
+    @classmethod
+    def of(cls, memory: memoryview) -> SlotView:
+        array = np.frombuffer(memory, np.uint8)
+        return cls(memory, torch.from_numpy(array), array, int(array.ctypes.data), len(memory))
+
+
 class SlotSession:
     """One batch being written into one slot (``slot is None``: no slot granted yet)."""
 
-    def __init__(self, slot: memoryview | None) -> None:
-        self.slot = slot
-        self.writer = SlotWriter(0 if slot is None else len(slot))
-        self.bytes: torch.Tensor | None = None
-        self.base = 0
-        if slot is not None:
-            self.bytes = torch.frombuffer(slot, dtype=torch.uint8)
-            self.base = self.bytes.data_ptr()
+    def __init__(self, slot: memoryview | SlotView | None) -> None:
+        view = SlotView.of(slot) if isinstance(slot, memoryview) else slot
+        self.slot = None if view is None else view.memory
+        self.writer = SlotWriter(0 if view is None else view.size)
+        self.bytes: torch.Tensor | None = None if view is None else view.tensor
+        self.array: np.ndarray | None = None if view is None else view.array
+        self.base = 0 if view is None else view.base
         self.overflowed = False
         self.planned = False
 
@@ -74,6 +90,10 @@ class SlotSession:
         if self.bytes is not None and dtype in CODE_OF and nbytes > 0 and not self.planned:
             off = self.writer.alloc(nbytes)
         if off is not None:
+            npdtype = NUMPY_DTYPE.get(dtype)
+            if npdtype is not None:  # a NumPy slice is several times cheaper than torch's
+                raw = self.array[off : off + nbytes]  # type: ignore[index]
+                return torch.from_numpy(raw.view(npdtype).reshape(tuple(shape)))
             return self.bytes[off : off + nbytes].view(dtype).view(tuple(shape))  # type: ignore[index]
         if nbytes == 0 or dtype not in CODE_OF:
             return torch.empty(tuple(shape), dtype=dtype)

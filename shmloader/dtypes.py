@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Final
 
+import numpy as np
 import torch
 
-from arena import DTYPE_CODE
+from arena import DTYPE_CODE, DTYPES
 
 _NAMES: Final = {
     torch.bool: "bool",
@@ -37,3 +38,8 @@ _NAMES: Final = {
 
 CODE_OF: Final[dict[torch.dtype, int]] = {d: DTYPE_CODE[n] for d, n in _NAMES.items()}
 TORCH_DTYPE: Final[dict[int, torch.dtype]] = {c: d for d, c in CODE_OF.items()}
+
+# torch dtype -> the NumPy dtype with the same bytes (dtypes NumPy lacks are absent)
+NUMPY_DTYPE: Final[dict[torch.dtype, np.dtype]] = {
+    d: np.dtype(DTYPES[c][0]) for d, c in CODE_OF.items() if DTYPES[c][2]
+}

@@ -11,6 +11,9 @@ Invariants:
 - Leaf ``i`` of the pickle is ``desc.arrays[i]``; kind ``TENSOR`` comes back as a tensor, kind
   ``NDARRAY`` as a NumPy array, each a view of the slot.
 - A leaf already inside the slot (allocated by the session) is never copied.
+- A batch made only of exact tuples, lists and dicts, leaves and immutable atoms is walked, not
+  pickled, once its structure has been seen: the walk places leaves in the pickler's order, and
+  the payload of that structure (the same bytes whatever the leaves hold) is reused.
 - If anything did not fit, :attr:`Packed.needed` is the slot size that holds it all and
   :meth:`Packed.write_into` lays the batch out afresh in that bigger slot.
 """
@@ -26,11 +29,16 @@ import numpy as np
 import torch
 
 from arena import DTYPE_CODE, DTYPES, ArraySpec, Descriptor, SlotRef, SlotWriter
-from shmloader.collate import SlotSession
+from shmloader.collate import SlotSession, SlotView
 from shmloader.dtypes import CODE_OF
 
 TENSOR: Final = 0
 NDARRAY: Final = 1
+# The payload of each batch structure seen (structure signature -> pickle): a steady-state batch
+# has the structure of the last one, so the worker pickles it once, not once per batch.
+MAX_PAYLOADS: Final = 256
+_PAYLOADS: dict[Any, bytes] = {}
+_ATOMS: Final = (type(None), bool, int, float, complex, str, bytes)
 _PROTOCOL: Final = pickle.HIGHEST_PROTOCOL
 
 
@@ -50,19 +58,54 @@ class Packed:
         self.session = session
         self.leaves: list[_Leaf] = []
         self._seen: dict[int, int] = {}
+        signature = self._walk(batch)
+        payload = _PAYLOADS.get(signature) if signature is not None else None
+        if payload is None:  # the pickler finds the walked leaves placed already (_seen)
+            payload = self._pickle(batch)
+            if signature is not None and len(_PAYLOADS) < MAX_PAYLOADS:
+                _PAYLOADS[signature] = payload
+        self.payload = payload
+        self.payload_offset = session.writer.alloc(len(payload))
+        if self.payload_offset is None:
+            session.overflowed = True
+        elif session.array is not None:
+            start = self.payload_offset
+            session.array[start : start + len(payload)] = np.frombuffer(payload, np.uint8)
+
+    def _pickle(self, batch: Any) -> bytes:
         buf = io.BytesIO()
         pickler = pickle.Pickler(buf, _PROTOCOL)
         pickler.persistent_id = self._persistent_id  # type: ignore[method-assign]
         pickler.dump(batch)
-        self.payload = buf.getbuffer()
-        self.payload_offset = session.writer.alloc(len(self.payload))
-        if self.payload_offset is None:
-            session.overflowed = True
-        elif session.bytes is not None:
-            start = self.payload_offset
-            session.bytes[start : start + len(self.payload)].numpy()[:] = np.frombuffer(
-                self.payload, np.uint8
-            )
+        return buf.getvalue()
+
+    def _walk(self, obj: Any) -> Any:
+        """The batch's structure as a hashable signature, placing its leaves in the order the
+        pickler would; None when the structure holds anything but exact tuples, lists and dicts,
+        leaves and immutable atoms (then the batch is pickled)."""
+        t = type(obj)
+        if t is torch.Tensor or t is np.ndarray:
+            pid = self._persistent_id(obj)
+            return None if pid is None else pid
+        if t is tuple or t is list:
+            parts = []
+            for x in obj:
+                sig = self._walk(x)
+                if sig is None:
+                    return None
+                parts.append(sig)
+            return (t, *parts)
+        if t is dict:
+            items = []
+            for k, v in obj.items():
+                sig = self._walk(v)
+                if sig is None or type(k) not in _ATOMS:
+                    return None
+                items.append((type(k), k, sig))
+            return (t, *items)
+        if t in _ATOMS:
+            return (t, obj)
+        return None
 
     @property
     def fits(self) -> bool:
@@ -96,21 +139,22 @@ class Packed:
         arrays = tuple(ArraySpec(leaf.offset or 0, leaf.code, leaf.shape) for leaf in self.leaves)
         return Descriptor(ref, arrays, self.payload_offset, len(self.payload))
 
-    def write_into(self, ref: SlotRef, slot: memoryview) -> Descriptor:
+    def write_into(self, ref: SlotRef, slot: memoryview | SlotView) -> Descriptor:
         """Copy every leaf and the payload into ``slot`` (a bigger one) and describe it there."""
-        writer = SlotWriter(len(slot))
-        dst = torch.frombuffer(slot, dtype=torch.uint8)
+        view = SlotView.of(slot) if isinstance(slot, memoryview) else slot
+        writer = SlotWriter(view.size)
+        dst = view.tensor
         arrays = []
         for leaf in self.leaves:
             off = writer.alloc(leaf.nbytes)
             if off is None:
-                raise RuntimeError(f"slot of {len(slot)} bytes cannot hold {self.needed} bytes")
+                raise RuntimeError(f"slot of {view.size} bytes cannot hold {self.needed} bytes")
             if leaf.nbytes:
                 dst[off : off + leaf.nbytes].copy_(_as_bytes(leaf.obj))
             arrays.append(ArraySpec(off, leaf.code, leaf.shape))
         poff = writer.alloc(len(self.payload))
         if poff is None:
-            raise RuntimeError(f"slot of {len(slot)} bytes cannot hold {self.needed} bytes")
+            raise RuntimeError(f"slot of {view.size} bytes cannot hold {self.needed} bytes")
         dst[poff : poff + len(self.payload)].numpy()[:] = np.frombuffer(self.payload, np.uint8)
         return Descriptor(ref, tuple(arrays), poff, len(self.payload))
 

@@ -4,6 +4,8 @@ Invariants:
 - Each worker has one duplex pipe; the main process holds one end, the worker the other.
 - :meth:`Supervisor.wait` returns as soon as a pipe is readable *or* a worker that should be alive
   has exited (its process sentinel), so a dead worker is noticed at once, not by a periodic poll.
+  The main process reads the pipes itself (one ``read`` per wake-up, cutting every whole frame
+  from a per-worker buffer); frames are ``multiprocessing.connection``'s, as workers send them.
 - Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
   terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
 - A worker told to retire (its IterableDataset replica is exhausted) is expected to exit; its
@@ -27,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from shmloader import protocol as P
+from shmloader.frames import READ_BYTES, cut_frames
 from shmloader.worker import WorkerConfig, worker_main
 
 # Every worker process object this process started. A plain os.fork() of the main process copies
@@ -77,6 +80,7 @@ class Supervisor:
         self._stopped = False
         self._poll: select.poll | None = None
         self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
+        self._bufs: list[bytearray] = [bytearray() for _ in configs]  # bytes read, not yet cut
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
@@ -149,26 +153,29 @@ class Supervisor:
     def wait(self, timeout: float | None) -> tuple[list[tuple[int, bytes]], list[WorkerDeath]]:
         """Frames that arrived (worker id, frame), and workers found dead, within ``timeout``.
 
-        Reads every frame already waiting, one per readable pipe per round, without blocking
-        after the first round."""
+        One ``poll``, then one ``read`` per readable pipe, which may bring several frames (they
+        are cut from a per-worker buffer; a partial frame waits there for the rest)."""
         poller = self._poller()
         frames: list[tuple[int, bytes]] = []
         suspect = False
         ms = None if timeout is None else max(0, int(timeout * 1000))
-        while events := poller.poll(ms):
-            ms = 0
-            for fd, _ in events:
-                wid, is_pipe = self._fds[fd]
-                if not is_pipe:
-                    suspect = True  # a sentinel: that worker exited
-                    continue
-                try:
-                    frames.append((wid, self.conns[wid].recv_bytes()))
-                except (EOFError, OSError):
-                    suspect = True
-                    self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it for its code
-            if suspect:
-                break
+        for fd, _ in poller.poll(ms):
+            wid, is_pipe = self._fds[fd]
+            if not is_pipe:
+                suspect = True  # a sentinel: that worker exited
+                continue
+            try:
+                data = os.read(fd, READ_BYTES)
+            except OSError:
+                data = b""
+            if not data:
+                suspect = True
+                self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it for its code
+                continue
+            buf = self._bufs[wid]
+            buf += data
+            for frame in cut_frames(buf):
+                frames.append((wid, frame))
         return frames, (self.deaths() if suspect else [])
 
     def kill(self) -> None:

@@ -58,7 +58,8 @@ from shmloader._torch_compat import (
     set_worker_info,
     wrap_current_exception,
 )
-from shmloader.collate import SlotSession
+from shmloader.collate import SlotSession, SlotView
+from shmloader.frames import FrameReader
 from shmloader.pack import Packed
 
 
@@ -132,6 +133,7 @@ class _Worker:
     def __init__(self, cfg: WorkerConfig, conn: Connection) -> None:
         self.cfg = cfg
         self.conn = conn
+        self.frames = FrameReader(conn.fileno())
         self.slabs: dict[int, Slab] = {}
         self.inbox: deque[P.ToWorker] = deque()
         self.iteration_end = False
@@ -139,6 +141,7 @@ class _Worker:
         self.grants: dict[tuple[int, int], SlotRef] = {}  # (epoch, seq) -> slot offered
         self.denied: set[tuple[int, int]] = set()  # (epoch, seq) whose batch can never fit
         self.revoked: set[tuple[int, int]] = set()  # (epoch, seq) sent with a slot taken back
+        self.views: dict[tuple[int, int], SlotView] = {}  # (slab, slot) -> its views
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
@@ -187,10 +190,10 @@ class _Worker:
         The wait has no timeout of its own: it ends with a frame, with EOF when the main process
         closes its end, or with the process when the watchdog sees the main process die.
         """
-        try:
-            msg = P.decode(self.conn.recv_bytes())
-        except (EOFError, OSError):
+        frame = self.frames.next()
+        if frame is None:
             return P.Stop()
+        msg = P.decode(frame)
         if isinstance(msg, P.Attach):
             try:
                 self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
@@ -200,6 +203,8 @@ class _Worker:
                 raise
         elif isinstance(msg, P.Detach):
             slab = self.slabs.pop(msg.slab_id, None)
+            for key in [k for k in self.views if k[0] == msg.slab_id]:
+                del self.views[key]
             if slab is not None:
                 slab.close()
         elif isinstance(msg, P.Grant):
@@ -219,14 +224,21 @@ class _Worker:
     def take_grant(self, epoch: int, seq: int) -> SlotRef | None:
         """A slot the main process has already offered for this task, if any (reads whatever
         frames are waiting, without blocking)."""
-        while (epoch, seq) not in self.grants and self.conn.poll(0):
+        while (epoch, seq) not in self.grants and self.frames.ready():
             msg = self.read()
             if not isinstance(msg, P.Attach | P.Detach | P.Grant | P.Deny | P.Revoke):
                 self.inbox.append(msg)
         return self.grants.pop((epoch, seq), None)
 
-    def slot(self, ref: SlotRef | None) -> memoryview | None:
-        return None if ref is None else self.slabs[ref.slab_id].slot_buffer(ref.slot)
+    def slot(self, ref: SlotRef | None) -> SlotView | None:
+        """The slot ``ref`` names, viewed once and reused for every batch written there."""
+        if ref is None:
+            return None
+        key = (ref.slab_id, ref.slot)
+        view = self.views.get(key)
+        if view is None:
+            view = self.views[key] = SlotView.of(self.slabs[ref.slab_id].slot_buffer(ref.slot))
+        return view
 
     def send(self, msg: P.ToMain) -> None:
         self.conn.send_bytes(P.encode(msg))
@@ -302,7 +314,7 @@ class _Worker:
             return
         try:
             overflowed = not packed.fits and not packed.session.planned
-            if ref is not None and slot is not None and overflowed and packed.needed <= len(slot):
+            if ref is not None and slot is not None and overflowed and packed.needed <= slot.size:
                 packed.detach()  # a scratch buffer overflowed, yet the batch fits its slot
                 self.ready(task, packed.write_into(ref, slot))
                 return
@@ -313,11 +325,12 @@ class _Worker:
                 granted = self.wait_grant(task.epoch, task.seq)
                 if granted is None:
                     return  # denied (can never fit the arena), epoch abandoned, or teardown
-                slot = self.slabs[granted.slab_id].slot_buffer(granted.slot)
+                slot = self.slot(granted)
+                assert slot is not None
                 if packed.session.planned:  # collate the same samples again, into the slot
                     with SlotSession(slot) as session:
                         packed = Packed(session, self.collator(self.collator.samples))
-                elif len(slot) >= packed.needed:
+                elif slot.size >= packed.needed:
                     if granted == ref:
                         packed.detach()  # laid out again in its own slot
                     self.ready(task, packed.write_into(granted, slot))

@@ -109,6 +109,20 @@ def render(json_path: Path, img_dir: Path) -> list[Path]:
     if by_workers:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
         _panel(axes[0], by_workers, "workers", "gb_per_s", "GB/s")
+        ps = sorted(by_workers, key=lambda p: p["workers"])
+        nproc = [(p["workers"], p["nproc_limit_batches_per_s"] * p["limit_gb_per_s"]
+                  / p["limit_batches_per_s"]) for p in ps
+                 if p.get("nproc_limit_batches_per_s") and p["limit_batches_per_s"]]
+        if nproc:
+            axes[0].plot(*zip(*nproc, strict=True), label="N-process limit (N = workers)",
+                         color="black", linestyle=":", marker="x")
+        ceiling = [(p["workers"], p["main_ceiling_batches_per_s"] * p["limit_gb_per_s"]
+                    / p["limit_batches_per_s"]) for p in ps
+                   if p.get("main_ceiling_batches_per_s") and p["limit_batches_per_s"]]
+        if ceiling:
+            axes[0].plot(*zip(*ceiling, strict=True), color="grey", linestyle="-.",
+                         label="main-process ceiling (1 / CPU per batch)")
+        axes[0].legend(fontsize="small")
         _panel(axes[1], by_workers, "workers", "cpu_us_per_batch",
                "main-process CPU us per batch")
         for ax in axes:

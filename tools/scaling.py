@@ -5,7 +5,10 @@ Run from the repository root: ``python -m tools.scaling [--quick] [--out DIR] [-
 Sweeps
 ------
 - ``bytes``: one batch of 64 KiB, 128 KiB, ... 256 MiB (every power of two), 2 workers.
-- ``workers``: 1, 2, 3, 4 workers at an 8 MiB batch.
+- ``workers``: 1, 2, 3, 4 workers at an 8 MiB batch. Each point also states the N-process limit
+  (N processes each stacking the batch privately at once, N = workers: what the machine's cores
+  and memory allow) and the main-process ceiling (1 / shmloader's main CPU per batch: the serial
+  part no number of workers lifts).
 - ``--quick``: 64 KiB, 1 MiB, 16 MiB; 1 and 2 workers; 1 repeat; shorter timed runs.
 
 Data: ``BlobPoolDataset`` — ``BATCH_SIZE`` (16) flat uint8 samples of ``batch_bytes / 16`` bytes,
@@ -58,6 +61,7 @@ from ._measure import (
     close,
     drain,
     interrupt_on_sigterm,
+    n_process_limit,
     positive_int,
     reap,
     single_copy_limit,
@@ -110,16 +114,24 @@ class Point:
                 "sample_bytes": self.sample_bytes, "pool": POOL, "samples": res.samples,
                 "warmup_batches": self.warmup_batches,
                 "limit_batches_per_s": res.limit_batches_per_s, "limit_gb_per_s": limit_gb,
+                "nproc_limit_batches_per_s": res.nproc_limit_batches_per_s or None,
+                "main_ceiling_batches_per_s": self.main_ceiling(),
                 "loaders": loaders}
 
+    def main_ceiling(self) -> float | None:
+        """Batches/s one main process could hand out at shmloader's measured main CPU per batch
+        (1 / main CPU per batch): the serial part no worker count lifts."""
+        us = self.summary("shmloader").get("cpu_us_per_batch")
+        return 1e6 / us if us else None
 
-def plan(quick: bool, sweeps: list[str]) -> list[Point]:
+
+def plan(quick: bool, sweeps: list[str], workers: tuple[int, ...] | None = None) -> list[Point]:
     points = []
     if "bytes" in sweeps:
         for size in QUICK_SIZES if quick else SIZES:
             points.append(Point("bytes", size, SIZES_WORKERS, 1 if size >= BIG_BATCH else 2))
     if "workers" in sweeps:
-        for n in QUICK_WORKERS if quick else WORKERS:
+        for n in workers or (QUICK_WORKERS if quick else WORKERS):
             points.append(Point("workers", WORKERS_BATCH, n, 2))
     return points
 
@@ -164,6 +176,11 @@ def measure(point: Point, args: argparse.Namespace, progress: Progress) -> None:
     res = point.result
     res.limit_batches_per_s, res.limit_bytes_per_batch = single_copy_limit(
         Workload("blob", dataset, point.batch_size, None, ""))
+    if point.sweep == "workers":
+        progress.start(f"{name} | {point.workers}-process limit")
+        res.nproc_limit_batches_per_s = n_process_limit(
+            Workload("blob", dataset, point.batch_size, None, ""), point.workers)
+        res.nproc = point.workers
     point.warmup_batches = point.prefetch_factor * point.workers + 2
     rate = min(MAX_RATE, 2 * point.workers * res.limit_batches_per_s)
     timed = max(args.min_batches, math.ceil(2 * rate * args.min_seconds))
@@ -190,9 +207,9 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_tables(points: list[Point]) -> str:
-    header = ("sweep", "batch", "workers", "pf", "limit GB/s",
+    header = ("sweep", "batch", "workers", "pf", "limit GB/s", "N-proc GB/s", "main ceil b/s",
               "torch b/s", "torch GB/s", "torch us/b",
-              "shm b/s", "shm GB/s", "shm us/b", "x torch", "% limit")
+              "shm b/s", "shm GB/s", "shm us/b", "x torch", "% limit", "% N-proc")
     rows: list[tuple[str, ...]] = []
     for p in points:
         t, s = p.summary("torch"), p.summary("shmloader")
@@ -200,13 +217,17 @@ def format_tables(points: list[Point]) -> str:
             continue
         res = p.result
         limit_gb = res.limit_bytes_per_batch * res.limit_batches_per_s / 1e9
+        nproc_gb = res.limit_bytes_per_batch * res.nproc_limit_batches_per_s / 1e9
+        ceiling = p.main_ceiling()
         rows.append((p.sweep, _size(p.batch_bytes), str(p.workers), str(p.prefetch_factor),
-                     f"{limit_gb:.2f}",
+                     f"{limit_gb:.2f}", f"{nproc_gb:.2f}" if nproc_gb else "-",
+                     _fmt(ceiling, ",.0f"),
                      _fmt(t["batches_per_s"], ",.1f"), _fmt(t["gb_per_s"], ".2f"),
                      _fmt(t["cpu_us_per_batch"], ",.0f"),
                      _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
                      _fmt(s["cpu_us_per_batch"], ",.0f"),
-                     _fmt(s["x_torch"], ".2f"), _fmt(s["pct_limit"], ".0f")))
+                     _fmt(s["x_torch"], ".2f"), _fmt(s["pct_limit"], ".0f"),
+                     _fmt(s["pct_nproc_limit"], ".0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
@@ -248,6 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timed part of a run lasts at least this long (0.5; --quick 0.2)")
     p.add_argument("--min-batches", type=positive_int, default=8,
                    help="... and has at least this many batches (8)")
+    p.add_argument("--workers", default=None,
+                   help="comma list of worker counts for the workers sweep (default 1,2,3,4; "
+                   "e.g. 1,2,4,8,14 on a many-core machine)")
     p.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("bench-results/scaling"),
                    help="results directory (default bench-results/scaling)")
@@ -291,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     interrupt_on_sigterm()
     progress = Progress()
-    points = plan(args.quick, args.sweeps)
+    workers = tuple(int(n) for n in args.workers.split(",")) if args.workers else None
+    points = plan(args.quick, args.sweeps, workers)
     interrupted = False
     try:
         for point in points:
@@ -302,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     progress.clear()
     print(format_tables(points))
     print(f"prefetch_factor (pf) is 1 for batches >= {_size(BIG_BATCH)} (RAM); "
-          f"us/b = main-process CPU microseconds per batch; % limit = shmloader / single-copy")
+          f"us/b = main-process CPU microseconds per batch; % limit = shmloader / single-copy; "
+          f"N-proc = N processes copying at once (N = workers); main ceil = 1 / shm us/b")
     paths = write_files(points, args.out, _meta(args, interrupted))
     print(f"results written to {paths[0]} and {paths[1]}")
     if not args.no_plot:
