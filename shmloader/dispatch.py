@@ -171,7 +171,8 @@ class Dispatch:
         self.num_tasks[wid] += 1
         largest = self.host.largest
         # Tasks reach each worker in sampler order: behind a waiting task, a new one waits too.
-        ref = self._acquire(largest, grow=False) if largest and not self.unsent else None
+        free = largest and not self.unsent and self.arena.free_slots
+        ref = self._acquire(largest, grow=False) if free else None
         if ref is None and largest:
             self.unsent[info.seq] = index
             return

@@ -74,6 +74,7 @@ DEFAULT_LOADERS = "torch,shmloader,spdl"
 # pinned also shows shmloader behind DevicePrefetcher (the copy overlapped on a side stream).
 EXTRA_COLUMNS: dict[str, tuple[str, ...]] = {
     "tabular": ("torch-0",),
+    "null": ("torch-0",),
     "pinned": ("shmloader+prefetch",),
 }
 

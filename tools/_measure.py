@@ -197,11 +197,16 @@ def bare_fetch_collate_us(workload: Workload, batches: int = 50) -> float:
     collate = workload.collate_fn or torch.utils.data.default_collate
     n = len(workload.dataset)  # type: ignore[arg-type]
     times = []
-    for b in range(batches):
-        idx = [(b * workload.batch_size + j) % n for j in range(workload.batch_size)]
-        t0 = time.process_time()
-        collate([workload.dataset[i] for i in idx])
-        times.append(time.process_time() - t0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one intra-op thread, as in a worker of either loader
+    try:
+        for b in range(batches):
+            idx = [(b * workload.batch_size + j) % n for j in range(workload.batch_size)]
+            t0 = time.process_time()
+            collate([workload.dataset[i] for i in idx])
+            times.append(time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return statistics.median(times) * 1e6
 
 
