@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from shmloader import protocol as P
-from shmloader.frames import READ_BYTES, cut_frames
+from shmloader.frames import HEADER, READ_BYTES, SMALL_FRAME, cut_frames
 from shmloader.worker import WorkerConfig, worker_main
 
 # Every worker process object this process started. A plain os.fork() of the main process copies
@@ -81,11 +81,13 @@ class Supervisor:
         self._poll: select.poll | None = None
         self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
         self._bufs: list[bytearray] = [bytearray() for _ in configs]  # bytes read, not yet cut
+        self._wfds: list[int] = []  # the pipes' descriptors, written directly for small frames
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
                 parent, child = ctx.Pipe(duplex=True)
                 self.conns.append(parent)
+                self._wfds.append(parent.fileno())
                 if forked:
                     # A forked worker inherits the main process's ends of every pipe made so
                     # far, its own included; it closes them, so it sees EOF when the main
@@ -118,8 +120,12 @@ class Supervisor:
 
     def send(self, worker_id: int, msg: P.ToWorker) -> None:
         """Send ``msg``; a broken pipe means the worker died, which :meth:`wait` reports."""
+        frame = P.encode(msg)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            self.conns[worker_id].send_bytes(P.encode(msg))
+            if len(frame) <= SMALL_FRAME:  # one write, the header in front (as send_bytes does)
+                os.write(self._wfds[worker_id], HEADER.pack(len(frame)) + frame)
+            else:
+                self.conns[worker_id].send_bytes(frame)
 
     def retire(self, worker_id: int) -> None:
         """Tell a worker to exit and stop watching it."""

@@ -59,7 +59,7 @@ from shmloader._torch_compat import (
     wrap_current_exception,
 )
 from shmloader.collate import SlotSession, SlotView
-from shmloader.frames import FrameReader
+from shmloader.frames import HEADER, SMALL_FRAME, FrameReader
 from shmloader.pack import Packed
 
 
@@ -133,7 +133,8 @@ class _Worker:
     def __init__(self, cfg: WorkerConfig, conn: Connection) -> None:
         self.cfg = cfg
         self.conn = conn
-        self.frames = FrameReader(conn.fileno())
+        self.fd = conn.fileno()
+        self.frames = FrameReader(self.fd)
         self.slabs: dict[int, Slab] = {}
         self.inbox: deque[P.ToWorker] = deque()
         self.iteration_end = False
@@ -244,7 +245,11 @@ class _Worker:
         self.conn.send_bytes(P.encode(msg))
 
     def ready(self, task: P.Task, desc: Descriptor) -> None:
-        self.conn.send_bytes(P.ready(task.seq, task.epoch, self.cfg.worker_id, desc))
+        frame = P.ready(task.seq, task.epoch, self.cfg.worker_id, desc)
+        if len(frame) <= SMALL_FRAME:  # one write, header in front, as send_bytes frames it
+            os.write(self.fd, HEADER.pack(len(frame)) + frame)
+        else:
+            self.conn.send_bytes(frame)
 
     def run(self) -> None:
         while True:
