@@ -35,7 +35,7 @@ from __future__ import annotations
 import gc
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from arena import ArenaCapacityError, ArenaExhaustedError, SlotRef
 from shmloader import protocol as P
@@ -44,6 +44,14 @@ from shmloader.reorder import TaskInfo, TaskTable
 from shmloader.supervisor import Supervisor
 
 Answer = P.Ready | P.Failed
+
+
+class Orphan(NamedTuple):
+    """A task of an abandoned epoch still with its worker: its slots go back when it answers."""
+
+    worker: int
+    slots: list[SlotRef]
+    ref: SlotRef | None  # the slot the worker was last given for it
 
 
 class MainError:
@@ -76,7 +84,7 @@ class Dispatch:
         self.wanting: dict[int, int] = {}  # seq -> bytes of a slot a sent task waits for
         self.asked: set[int] = set()  # seqs whose worker sent NEED_SLOT and waits
         # (epoch, seq) -> (worker, slots) of tasks of abandoned epochs not yet answered
-        self.orphans: dict[tuple[int, int], tuple[int, list[SlotRef]]] = {}
+        self.orphans: dict[tuple[int, int], Orphan] = {}
         self.status = [True] * num_workers
         self.num_tasks = [0] * num_workers
         self._next_worker = 0
@@ -93,14 +101,14 @@ class Dispatch:
             info = self.tasks.get(seq)
             if info is not None and self.status[info.worker_id]:
                 self.sup.send(info.worker_id, P.Task(seq, self.epoch, None, index))
-                self.orphans[(self.epoch, seq)] = (info.worker_id, [])
+                self.orphans[(self.epoch, seq)] = Orphan(info.worker_id, [], None)
         for info in [*self.arrived, *self.tasks]:
             if info.seq in self.unsent:
                 continue
             slots = info.slots()
             # A worker waiting for a slot abandons that task when it reads RESUME.
             if info.answer is None and self.status[info.worker_id] and info.seq not in self.asked:
-                self.orphans[(self.epoch, info.seq)] = (info.worker_id, slots)
+                self.orphans[(self.epoch, info.seq)] = Orphan(info.worker_id, slots, info.ref)
             else:
                 self.release(slots)
         self.epoch += 1
@@ -115,11 +123,21 @@ class Dispatch:
 
     def orphan_answered(self, msg: P.ToMain) -> None:
         """An answer to a task of an abandoned epoch: its slots go back."""
-        wid, slots = self.orphans.pop((msg.epoch, msg.seq), (msg.worker_id, []))
+        if isinstance(msg, P.NeedSlot):
+            orphan = self.orphans.get((msg.epoch, msg.seq))
+            if orphan is not None and orphan.ref == msg.ref:
+                # It asked knowing the slot it has, and no grant follows: on reading RESUME the
+                # worker abandons the task without an answer, so its slots go back now. (A NEED
+                # that crossed a grant names an older slot: that grant answers, and so will the
+                # worker, in the abandoned epoch.)
+                self.release(self.orphans.pop((msg.epoch, msg.seq)).slots)
+            return
+        wid, slots, _ = self.orphans.pop((msg.epoch, msg.seq), Orphan(msg.worker_id, [], None))
         if isinstance(msg, P.Exhausted):
             # The replica ended: the worker ignores its later tasks of that epoch.
-            for key in [k for k, (w, _) in self.orphans.items() if k[0] == msg.epoch and w == wid]:
-                slots += self.orphans.pop(key)[1]
+            ended = [k for k, o in self.orphans.items() if k[0] == msg.epoch and o.worker == wid]
+            for key in ended:
+                slots += self.orphans.pop(key).slots
         self.release(slots)
 
     def all_slots(self) -> list[SlotRef]:
@@ -127,8 +145,8 @@ class Dispatch:
         out: list[SlotRef] = []
         for info in [*self.arrived, *self.tasks]:
             out += info.slots()
-        for _, slots in self.orphans.values():
-            out += slots
+        for orphan in self.orphans.values():
+            out += orphan.slots
         self.tasks, self.arrived, self.orphans = TaskTable(), deque(), {}
         return out
 

@@ -199,8 +199,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
     def _handle(self, wid: int, msg: P.ToMain) -> None:
         d = self._dispatch
         if msg.epoch != d.epoch:
-            if not isinstance(msg, P.NeedSlot):  # an abandoned epoch's request: dropped
-                d.orphan_answered(msg)
+            d.orphan_answered(msg)
             return
         info = d.tasks.get(msg.seq)
         if info is None or isinstance(msg, P.Dropped):
