@@ -92,7 +92,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         carry = list(plan["workers"]) if resumed and plan["workers"] else [None] * nw  # type: ignore[index]
         self._rng_carry: list[bytes | None] = carry
         self._rng_last: list[tuple[int, int] | None] = [None] * nw
-        self._rng_ring = RngRing.create(nw, pf + 4, loader.arena_options.backend)
+        self._rng_ring = RngRing.create(nw, pf + 4, loader.arena_options.backend)  # type: ignore[attr-defined]
         weakref.finalize(self, self._rng_ring.close)
         self._plan = plan
         self._ended = False
@@ -155,8 +155,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self.epoch_start = EpochStart.capture(loader)
         else:
             self.epoch_start = EpochStart.from_dict(plan["epoch_start"])
-        self.epoch_no = loader._epochs_started
-        loader._epochs_started += 1
+        self.epoch_no: int = loader._epochs_started  # type: ignore[attr-defined]
+        loader._epochs_started += 1  # type: ignore[attr-defined]
         self._ended = False
         # A resumed epoch replays its sampler draws from where they started, skips the batches
         # already consumed without fetching them, then primes as torch does.

@@ -24,10 +24,10 @@ from typing import Any, SupportsIndex, TypeVar
 import torch.utils.data
 
 from arena import Backend
-from shmloader.epoch import ShmDataLoaderIter
-from shmloader.host import ArenaHost
 from shmloader import rngstate
 from shmloader import state as S
+from shmloader.epoch import ShmDataLoaderIter
+from shmloader.host import ArenaHost
 from shmloader.options import arena_options
 from shmloader.single import SingleProcessIter
 from shmloader.stats import LoaderStats, no_arena

@@ -68,7 +68,7 @@ class _Calibration:
             self.np_gauss = None
 
     def _calibrate(self) -> None:
-        inst = random._inst  # type: ignore[attr-defined]
+        inst = random._inst
         key = random.getstate()[1]
         raw = ctypes.string_at(id(inst), type(inst).__basicsize__)
         at = raw.find(struct.pack("<624I", *key[:624]))
@@ -78,13 +78,16 @@ class _Calibration:
         for has, value in ((1, 0.123456789), (0, 0.987654321)):
             rs = np.random.RandomState(0)
             st = rs.get_state()
-            rs.set_state((st[0], st[1], st[2], has, value))
+            rs.set_state((st[0], st[1], st[2], has, value))  # type: ignore[index]
             probes.append((rs, ctypes.string_at(id(rs), type(rs).__basicsize__)))
         (_, a), (_, b) = probes
         g = a.find(struct.pack("<d", 0.123456789))
         if g > 0 and b[g : g + 8] == struct.pack("<d", 0.987654321):
             for h in (g - 8, g - 4, g + 8):
-                if struct.unpack_from("<i", a, h)[0] == 1 and struct.unpack_from("<i", b, h)[0] == 0:
+                if (
+                    struct.unpack_from("<i", a, h)[0] == 1
+                    and struct.unpack_from("<i", b, h)[0] == 0
+                ):
                     self.np_gauss = (h, g)
                     break
         out = bytearray(SNAPSHOT)
@@ -111,8 +114,8 @@ def _slow_capture() -> bytes:
     _PY.pack_into(
         out, _PY_AT, key[624], struct.pack("<624I", *key[:624]), gauss is not None, gauss or 0.0
     )
-    _, nkey, pos, has, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    _NP.pack_into(out, _NP_AT, nkey.astype("<u4").tobytes(), pos, has, cached)
+    _, nkey, pos, has, cached = np.random.get_state(legacy=True)
+    _NP.pack_into(out, _NP_AT, np.asarray(nkey, dtype="<u4").tobytes(), pos, has, cached)
     return bytes(out)
 
 
@@ -128,7 +131,7 @@ def _capture_with(buf: memoryview, cal: _Calibration) -> None:
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     state = torch.get_rng_state()
     ctypes.memmove(base, state.data_ptr(), TORCH_BYTES)
-    inst = random._inst  # type: ignore[attr-defined]
+    inst: Any = random._inst
     ctypes.memmove(base + _PY_AT, id(inst) + cal.py_at, 2500)
     gauss = inst.gauss_next
     struct.pack_into("<B7xd", buf, _PY_AT + 2500, gauss is not None, gauss or 0.0)

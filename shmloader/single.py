@@ -45,7 +45,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
 
     def _next_data(self) -> Any:
         try:
-            return super()._next_data()
+            return super()._next_data()  # type: ignore[no-untyped-call]
         except StopIteration:
             self._ended = True
             raise

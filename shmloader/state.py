@@ -35,7 +35,13 @@ import torch
 FORMAT = "shmloader.DataLoader"
 VERSION = 1
 ITER_KEYS = (
-    "epoch", "in_epoch", "yielded", "yielded_extra", "base_seed", "epoch_start", "workers",
+    "epoch",
+    "in_epoch",
+    "yielded",
+    "yielded_extra",
+    "base_seed",
+    "epoch_start",
+    "workers",
 )  # what the iterator knows
 _KEYS = ("format", "version", "fingerprint", *ITER_KEYS, "main_rng")
 
@@ -145,11 +151,12 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
     out: dict[str, torch.Generator] = {}
     seen: set[int] = set()
     bs = loader.batch_sampler
+    inner = getattr(bs, "sampler", None)
     candidates = [
         ("generator", loader.generator),
         ("sampler.generator", getattr(loader.sampler, "generator", None)),
         ("batch_sampler.generator", getattr(bs, "generator", None)),
-        ("batch_sampler.sampler.generator", getattr(getattr(bs, "sampler", None), "generator", None)),
+        ("batch_sampler.sampler.generator", getattr(inner, "generator", None)),
     ]  # fmt: skip
     for path, gen in candidates:
         if isinstance(gen, torch.Generator) and id(gen) not in seen:
@@ -202,7 +209,11 @@ class EpochStart:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"torch_rng": self.torch_rng, "generators": self.generators, "samplers": self.samplers}
+        return {
+            "torch_rng": self.torch_rng,
+            "generators": self.generators,
+            "samplers": self.samplers,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpochStart:
