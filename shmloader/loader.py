@@ -17,6 +17,7 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex, TypeVar
@@ -30,7 +31,7 @@ from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
 from shmloader.options import arena_options
 from shmloader.single import SingleProcessIter
-from shmloader.stats import LoaderStats, no_arena
+from shmloader.stats import LoaderStats, dist_rank, no_arena
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -190,6 +191,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids
         (fields: :class:`LoaderStats`); before the first multi-worker iterator in this process,
         and always with ``num_workers=0``, nothing is reserved and ``backend`` is ``"none"``."""
+        rank, world = dist_rank()
         if self._host is None or not self._host.here:
-            return no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
-        return self._host.snapshot()
+            st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
+        else:
+            st = self._host.snapshot()
+        if (rank, world) == (0, 1):
+            return st
+        return dataclasses.replace(st, rank=rank, world_size=world)
