@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from arena import Backend
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     IterDataPipe,
@@ -92,7 +93,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         carry = list(plan["workers"]) if resumed and plan["workers"] else [None] * nw  # type: ignore[index]
         self._rng_carry: list[bytes | None] = carry
         self._rng_last: list[tuple[int, int] | None] = [None] * nw
-        self._rng_ring = RngRing.create(nw, pf + 4, loader.arena_options.backend)  # type: ignore[attr-defined]
+        # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
+        self._rng_ring = RngRing.create(nw, pf + 4, Backend.MEMFD)
         weakref.finalize(self, self._rng_ring.close)
         self._plan = plan
         self._ended = False
