@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import torch.distributed as dist
+
 from arena import ArenaStats, SlotState
 
 _STATE_NAMES = tuple(s.name.lower() for s in SlotState)
@@ -139,8 +141,6 @@ class LoaderStats:
 
 def dist_rank() -> tuple[int, int]:
     """(rank, world size) of this process's default ``torch.distributed`` group, else (0, 1)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
