@@ -121,6 +121,11 @@ class Dispatch:
         self.num_tasks = [0] * self.num_workers
         self._next_worker = 0
 
+    def start_at(self, position: int) -> None:
+        """A resumed epoch's first task is batch ``position`` of the sampler: torch's round robin
+        gives it worker ``position % num_workers``, as in the run that was saved."""
+        self._next_worker = position % self.num_workers
+
     def orphan_answered(self, msg: P.ToMain) -> None:
         """An answer to a task of an abandoned epoch: its slots go back."""
         if isinstance(msg, P.NeedSlot):

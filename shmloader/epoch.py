@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from arena import Backend
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     IterDataPipe,
@@ -46,7 +48,9 @@ from shmloader.dispatch import Dispatch
 from shmloader.host import ArenaHost
 from shmloader.lease import Leases
 from shmloader.reorder import TaskInfo
+from shmloader.rngstate import RngRing
 from shmloader.sampling import fast_batches
+from shmloader.state import EpochStart, untouched_rngs
 from shmloader.supervisor import Supervisor, WorkerDeath
 from shmloader.worker import WorkerConfig
 
@@ -69,9 +73,31 @@ def _teardown(pid: int, sup: Supervisor, dispatch: Dispatch, leases: Leases) -> 
 class ShmDataLoaderIter(_BaseDataLoaderIter):
     """Iterates over a DataLoader with worker processes writing into a shared-memory arena."""
 
-    def __init__(self, loader: torch.utils.data.DataLoader[Any], host_for: HostFor) -> None:
-        super().__init__(loader)
+    def __init__(
+        self,
+        loader: torch.utils.data.DataLoader[Any],
+        host_for: HostFor,
+        plan: dict[str, Any] | None = None,
+    ) -> None:
+        # A loaded state whose iterator existed (an epoch in progress, or persistent workers):
+        # its base seed is the saved one, and drawing it must leave every RNG untouched.
+        resumed = plan is not None and plan["base_seed"] is not None
+        with untouched_rngs(loader) if resumed else contextlib.nullcontext():
+            super().__init__(loader)
+        if resumed:
+            self._base_seed = plan["base_seed"]  # type: ignore[index]
         nw: int = self._num_workers
+        pf = loader.prefetch_factor or 2
+        # Worker RNG snapshots (shmloader.rngstate): what a resumed worker starts from, and
+        # per worker the (epoch, seq) of its last task the user consumed.
+        carry = list(plan["workers"]) if resumed and plan["workers"] else [None] * nw  # type: ignore[index]
+        self._rng_carry: list[bytes | None] = carry
+        self._rng_last: list[tuple[int, int] | None] = [None] * nw
+        # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
+        self._rng_ring = RngRing.create(nw, pf + 4, Backend.MEMFD)
+        weakref.finalize(self, self._rng_ring.close)
+        self._plan = plan
+        self._ended = False
         ctx = loader.multiprocessing_context or torch.multiprocessing.get_context()
         init_fn = loader.worker_init_fn
         if isinstance(self._dataset, IterDataPipe | MapDataPipe):
@@ -97,12 +123,15 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 init_fn=init_fn,
                 main_pid=self._pid,
                 shared_seed=self._shared_seed,
+                rng_ring=self._rng_ring.slab.spec,
+                rng_depth=self._rng_ring.depth,
+                rng_restore=carry[i],
             )
             for i in range(nw)
         ]
         self._sup = Supervisor(ctx, configs)
         self._workers = self._sup.procs  # torch's name: pid, exitcode, is_alive(), join()
-        max_tasks = (loader.prefetch_factor or 2) * nw
+        max_tasks = pf * nw
         self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order)
         # Dropped, exhausted or failed: stop the workers, then give back every slot in flight.
         self._finalizer = weakref.finalize(
@@ -122,26 +151,84 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
     # -- epochs ---------------------------------------------------------------------------------
 
     def _reset(self, loader: torch.utils.data.DataLoader[Any], first_iter: bool = False) -> None:
-        super()._reset(loader, first_iter)
-        fast = fast_batches(self._index_sampler)
-        if fast is not None:
-            self._sampler_iter = fast
-        if self.failure is not None:
-            raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
-        d = self._dispatch
-        if not first_iter:
-            d.new_epoch()
-            for wid in range(self._num_workers):
-                self._sup.send(wid, P.Resume(d.epoch, self._shared_seed))
-        for _ in range(d.max_tasks):  # torch primes the prefetch loop with this many attempts
-            self._try_put()
+        plan, self._plan = self._plan, None
+        if plan is None or not plan["in_epoch"]:
+            plan = None
+            self.epoch_start = EpochStart.capture(loader)
+        else:
+            self.epoch_start = EpochStart.from_dict(plan["epoch_start"])
+        self.epoch_no: int = loader._epochs_started  # type: ignore[attr-defined]
+        loader._epochs_started += 1  # type: ignore[attr-defined]
+        self._ended = False
+        # A resumed epoch replays its sampler draws from where they started, skips the batches
+        # already consumed without fetching them, then primes as torch does.
+        with self.epoch_start.replay(loader) if plan else contextlib.nullcontext():
+            super()._reset(loader, first_iter)
+            fast = fast_batches(self._index_sampler)
+            if fast is not None:
+                self._sampler_iter = fast
+            if self.failure is not None:
+                raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
+            d = self._dispatch
+            if not first_iter:
+                d.new_epoch()
+                for wid in range(self._num_workers):
+                    self._sup.send(wid, P.Resume(d.epoch, self._shared_seed))
+            skip = plan["yielded"] if plan else 0
+            for _ in range(skip):
+                self._next_index()  # type: ignore[no-untyped-call]
+            self._num_yielded = skip
+            d.start_at(skip)
+            self._pos = skip  # sampler position of the next index drawn
+            self._skip: set[int] = set(plan["yielded_extra"]) if plan else set()
+            self._prefix = skip  # in_order=False: positions below it are all consumed
+            self._done: set[int] = set(self._skip)  # ... and these past it
+            self._positions: list[int] = []  # in_order=False: seq -> sampler position
+            for _ in range(d.max_tasks):  # torch primes the prefetch loop with this many attempts
+                self._try_put()
 
     def _try_put(self) -> None:
         try:
             index = self._next_index()  # type: ignore[no-untyped-call]
+            while self._skip and self._pos in self._skip:  # consumed before a resume
+                self._skip.discard(self._pos)
+                self._pos += 1
+                index = self._next_index()  # type: ignore[no-untyped-call]
         except StopIteration:
             return
-        self._dispatch.put(index)
+        self._pos += 1
+        d = self._dispatch
+        if d.in_order:
+            d.put(index)
+            return
+        sent = d.tasks.sent
+        d.put(index)
+        if d.tasks.sent != sent:
+            self._positions.append(self._pos - 1)
+
+    # -- resume state ---------------------------------------------------------------------------
+
+    def resume_state(self) -> dict[str, Any]:
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`)."""
+        if self.failure is not None:
+            raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
+        d = self._dispatch
+        while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
+            self._receive()
+        workers = [
+            self._rng_carry[w] if last is None else self._rng_ring.read(w, *last)
+            for w, last in enumerate(self._rng_last)
+        ]
+        in_epoch = not self._ended
+        return {
+            "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
+            "in_epoch": in_epoch,
+            "yielded": (self._num_yielded if d.in_order else self._prefix) if in_epoch else 0,
+            "yielded_extra": sorted(self._done) if in_epoch and not d.in_order else [],
+            "base_seed": int(self._base_seed),
+            "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
+            "workers": workers,
+        }
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -170,6 +257,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             if info is not None:
                 return self._process(info)
             if not d.pending(d.status.__getitem__):
+                self._ended = True
                 if not self._persistent_workers:
                     self._finalizer()
                     self._leases.drain()
@@ -200,6 +288,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         d = self._dispatch
         if msg.epoch != d.epoch:
             d.orphan_answered(msg)
+            if not isinstance(msg, P.NeedSlot):
+                self._rng_last[wid] = (msg.epoch, msg.seq)
             return
         info = d.tasks.get(msg.seq)
         if info is None or isinstance(msg, P.Dropped):
@@ -234,6 +324,9 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
+        self._rng_last[info.worker_id] = (d.epoch, info.seq)
+        if not d.in_order:
+            self._consumed(self._positions[info.seq])
         d.num_tasks[info.worker_id] -= 1
         self._try_put()
         answer = info.answer
@@ -245,6 +338,16 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if host.export is not None:
             host.export.tick(host.snapshot)
         return host.pinner.pin(batch)
+
+    def _consumed(self, pos: int) -> None:
+        """in_order=False: record that the batch at sampler position ``pos`` was consumed."""
+        if pos != self._prefix:
+            self._done.add(pos)
+            return
+        self._prefix += 1
+        while self._prefix in self._done:
+            self._done.discard(self._prefix)
+            self._prefix += 1
 
     def _fail(self, deaths: list[WorkerDeath]) -> None:
         first = deaths[0]

@@ -17,16 +17,21 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex, TypeVar
 
 import torch.utils.data
 
 from arena import Backend
+from shmloader import rngstate
+from shmloader import state as S
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
 from shmloader.options import arena_options
-from shmloader.stats import LoaderStats, no_arena
+from shmloader.single import SingleProcessIter
+from shmloader.stats import LoaderStats, dist_rank, no_arena
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -59,6 +64,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         arena_slots_per_slab: SupportsIndex | None = None,
     ) -> None:
         self.arena_options = arena_options(arena_backend, arena_max_bytes, arena_slots_per_slab)
+        # As given, under their argument names: code that rebuilds a DataLoader from its
+        # attributes (Lightning's sampler injection) passes them on.
+        self.arena_backend = arena_backend
+        self.arena_max_bytes = arena_max_bytes
+        self.arena_slots_per_slab = arena_slots_per_slab
+        self._epochs_started = 0  # epochs begun by this loader's iterators (or a loaded state)
+        self._plan: dict[str, Any] | None = None  # a loaded state the next iterator resumes
+        self._live: Callable[[], Any] | None = None  # the latest iterator (a weak reference)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
         super().__init__(
@@ -82,10 +95,66 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
 
     def _get_iterator(self) -> Any:
+        plan, self._plan = self._plan, None
         if self.num_workers == 0:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        return ShmDataLoaderIter(self, self._host_for)
+            it: Any = SingleProcessIter(self, plan)
+        else:
+            self.check_worker_number_rationality()
+            it = ShmDataLoaderIter(self, self._host_for, plan)
+        self._live = weakref.ref(it)
+        return it
+
+    def _current(self) -> Any:
+        it = self._live() if self._live is not None else None
+        if isinstance(it, ShmDataLoaderIter) and not it.here:
+            return None
+        return it
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: load it into a fresh loader (``load_state_dict``) to get the
+        batches an uninterrupted run yields next. Small, picklable, ``torch.save``-able; see
+        :mod:`shmloader.state` for its fields."""
+        it = self._current()
+        if self._plan is not None:
+            body = {k: self._plan[k] for k in S.ITER_KEYS}
+        elif it is None or (it._ended and not self.persistent_workers):
+            body = {
+                "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
+                "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],
+            }  # fmt: skip
+        else:
+            body = it.resume_state()
+        if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
+            body["epoch_start"] = S.EpochStart.capture(self).as_dict()
+        return {
+            "format": S.FORMAT,
+            "version": S.VERSION,
+            "fingerprint": S.fingerprint(self),
+            **body,
+            "main_rng": rngstate.capture(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` of a loader built the same way (any process): the next
+        ``iter()`` yields what the saved loader would have yielded next. Also sets this process's
+        global torch, ``random`` and NumPy RNGs to their state at ``state_dict()``."""
+        it = self._current()
+        if it is not None and not it._ended:
+            raise RuntimeError(
+                "load_state_dict() called while this DataLoader is being iterated (an iterator "
+                "of it is mid-epoch): load the state before iterating, into a fresh DataLoader"
+            )
+        S.check(self, state_dict)
+        sd = dict(state_dict)
+        if isinstance(self._iterator, ShmDataLoaderIter):  # an idle persistent iterator
+            self._iterator._shutdown_workers()
+        self._iterator = None
+        self._live = None
+        if not sd["in_epoch"]:
+            S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
+        rngstate.restore(sd["main_rng"])
+        self._epochs_started = sd["epoch"]
+        self._plan = sd if (sd["in_epoch"] or sd["base_seed"] is not None) else None
 
     def _host_for(self, pin: bool, pin_device: str | None) -> ArenaHost:
         """This loader's arena in this process: made on first use, and made anew in a process
@@ -115,12 +184,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state = self.__dict__.copy()
         state["_host"] = None
         state["_iterator"] = None
+        state["_live"] = None
         return state
 
     def stats(self) -> LoaderStats:
         """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids
         (fields: :class:`LoaderStats`); before the first multi-worker iterator in this process,
         and always with ``num_workers=0``, nothing is reserved and ``backend`` is ``"none"``."""
+        rank, world = dist_rank()
         if self._host is None or not self._host.here:
-            return no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
-        return self._host.snapshot()
+            st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
+        else:
+            st = self._host.snapshot()
+        if (rank, world) == (0, 1):
+            return st
+        return dataclasses.replace(st, rank=rank, world_size=world)

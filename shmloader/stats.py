@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import torch.distributed as dist
+
 from arena import ArenaStats, SlotState
 
 _STATE_NAMES = tuple(s.name.lower() for s in SlotState)
@@ -37,6 +39,9 @@ class LoaderStats:
     - ``pinned_bytes``: arena bytes page-locked for CUDA (0 without ``pin_memory`` or a GPU).
     - ``worker_pids``: process ids of the most recent multi-worker iterator's workers (they may
       have exited since; empty before the first one).
+    - ``rank``, ``world_size``: the ``torch.distributed`` rank of the process the loader lives in
+      and the job's world size (0 and 1 outside a process group). The arena, and its
+      ``arena_max_bytes`` cap, is per rank.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or
@@ -57,6 +62,8 @@ class LoaderStats:
     batches_held: int
     pinned_bytes: int
     worker_pids: tuple[int, ...]
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def backend(self) -> str:
@@ -127,7 +134,16 @@ class LoaderStats:
             row[f"bytes_{state}"] = n
         row["batches_held"] = self.batches_held
         row["pinned_bytes"] = self.pinned_bytes
+        row["rank"] = self.rank
+        row["world_size"] = self.world_size
         return row
+
+
+def dist_rank() -> tuple[int, int]:
+    """(rank, world size) of this process's default ``torch.distributed`` group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 @functools.lru_cache(maxsize=16)

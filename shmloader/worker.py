@@ -61,6 +61,7 @@ from shmloader._torch_compat import (
 from shmloader.collate import SlotSession, SlotView
 from shmloader.frames import HEADER, SMALL_FRAME, FrameReader
 from shmloader.pack import Packed
+from shmloader.rngstate import RngRing, restore
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class WorkerConfig:
     shared_seed: int | None = None
     slabs: tuple[SlabSpec, ...] = field(default_factory=tuple)
     close_fds: tuple[int, ...] = ()  # inherited main-process pipe ends (fork only)
+    rng_ring: SlabSpec | None = None  # where to publish RNG snapshots (shmloader.rngstate)
+    rng_depth: int = 0
+    rng_restore: bytes | None = None  # RNG state to start from (a resumed DataLoader state)
 
 
 class _KeepSamples:
@@ -147,6 +151,7 @@ class _Worker:
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
         self.fetcher: Any = None
+        self.rng = None if cfg.rng_ring is None else RngRing.attach(cfg.rng_ring, cfg.rng_depth)
 
     def where(self) -> str:
         return f"in DataLoader worker process {self.cfg.worker_id}"
@@ -176,6 +181,8 @@ class _Worker:
         # User code failed: forward it to the main process, as torch does.
         except Exception:  # noqa: BLE001
             self.init_error = wrap_current_exception(self.where())
+        if cfg.rng_restore is not None:
+            restore(cfg.rng_restore)  # where the saved run's worker was, after its init
 
     def _apply_shared_seed(self, shared_seed: int) -> None:
         from torch.utils.data.graph_settings import apply_random_seed
@@ -242,9 +249,13 @@ class _Worker:
         return view
 
     def send(self, msg: P.ToMain) -> None:
+        if self.rng is not None and not isinstance(msg, P.NeedSlot):  # an answer: see ready()
+            self.rng.publish(self.cfg.worker_id, msg.epoch, msg.seq)
         self.conn.send_bytes(P.encode(msg))
 
     def ready(self, task: P.Task, desc: Descriptor) -> None:
+        if self.rng is not None:  # the RNG state after this task, published before its answer
+            self.rng.publish(self.cfg.worker_id, task.epoch, task.seq)
         frame = P.ready(task.seq, task.epoch, self.cfg.worker_id, desc)
         if len(frame) <= SMALL_FRAME:  # one write, header in front, as send_bytes frames it
             os.write(self.fd, HEADER.pack(len(frame)) + frame)
@@ -364,6 +375,8 @@ class _Worker:
         return self.grants.pop((epoch, seq))
 
     def close(self) -> None:
+        if self.rng is not None:
+            self.rng.close()
         for slab in self.slabs.values():
             slab.close()
         self.slabs.clear()

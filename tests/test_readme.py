@@ -40,7 +40,20 @@ def test_every_python_snippet_runs_as_written(code, tmp_path):
                           "label": pa.array(range(64), pa.int64())})
         feather.write_feather(table, str(tmp_path / "train.arrow"), compression="uncompressed")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
+    cmd = [sys.executable, "-c", code]
+    if "# torchrun --nproc_per_node=2" in code:  # the distributed example: 2 ranks, run twice
+        (tmp_path / "train.py").write_text(code)  # (the second run resumes from checkpoints)
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={port}", "train.py"]
+        first = subprocess.run(cmd, cwd=tmp_path, env=env, text=True, capture_output=True,
+                               timeout=120)
+        assert first.returncode == 0, first.stderr
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -68,7 +81,7 @@ def test_every_exported_error_is_listed(name):
 @pytest.mark.parametrize(
     "field",
     [*(f.name for f in dataclasses.fields(ArenaStats)), "slots_free", "bytes_in_use",
-     "batches_held", "pinned_bytes", "worker_pids"],
+     "batches_held", "pinned_bytes", "worker_pids", "rank", "world_size"],
 )
 def test_every_stats_field_is_documented(field):
     assert f"`{field}`" in README

@@ -1,0 +1,64 @@
+"""The ``num_workers=0`` iterator: torch's own, plus what ``DataLoader.state_dict()`` needs.
+
+Batches, RNG use and timing are torch's ``_SingleProcessDataLoaderIter``'s; this subclass only
+records where the epoch's sampler draws started (:class:`shmloader.state.EpochStart`), counts
+the epoch, and on a resumed state replays the sampler's draws and skips the batches already
+consumed without fetching them. With no workers the dataset draws from the main process's
+global RNGs, which the state carries as ``main_rng``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from shmloader.state import EpochStart, untouched_rngs
+
+_SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoaderIter
+
+
+class SingleProcessIter(_SingleProcessDataLoaderIter):
+    def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
+        resumed = plan is not None and plan["in_epoch"]
+        with untouched_rngs(loader) if resumed else contextlib.nullcontext():
+            super().__init__(loader)
+        self._ended = False
+        self.epoch_no = loader._epochs_started
+        loader._epochs_started += 1
+        if not resumed:
+            self.epoch_start = EpochStart.capture(loader)
+            return
+        assert plan is not None
+        self._base_seed = plan["base_seed"]
+        self.epoch_start = EpochStart.from_dict(plan["epoch_start"])
+        with self.epoch_start.replay(loader):
+            self._sampler_iter = iter(self._index_sampler)
+            for _ in range(plan["yielded"]):
+                self._next_index()  # type: ignore[no-untyped-call]
+        self._num_yielded = plan["yielded"]
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        self._ended = False
+
+    def _next_data(self) -> Any:
+        try:
+            return super()._next_data()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def resume_state(self) -> dict[str, Any]:
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`)."""
+        in_epoch = not self._ended
+        return {
+            "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
+            "in_epoch": in_epoch,
+            "yielded": self._num_yielded if in_epoch else 0,
+            "yielded_extra": [],
+            "base_seed": int(self._base_seed) if in_epoch else None,
+            "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
+            "workers": [],
+        }

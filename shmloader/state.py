@@ -1,0 +1,251 @@
+"""The loader's resume state: its format, its validation, and the epoch-start record.
+
+``DataLoader.state_dict()`` returns a plain dict (ints, bools, strings, bytes, lists; no batch
+data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads back::
+
+    format "shmloader.DataLoader", version 1
+    fingerprint   what must match at load: dataset length, batch size, drop_last, sampler and
+                  batch sampler types, num_workers, in_order, persistent_workers
+    epoch         0-based number of the epoch in progress (in_epoch) or of the next one
+    in_epoch      whether an epoch was in progress
+    yielded       batches of that epoch consumed, in sampler order (a prefix)
+    yielded_extra sampler positions past the prefix already consumed (in_order=False only)
+    base_seed     the iterator's base seed, when the next batches come from an existing iterator
+                  (an epoch in progress, or persistent workers); else None: drawn anew, as torch
+    epoch_start   the RNG state the epoch's sampler draws started from (``EpochStart``); between
+                  epochs, where the next epoch's draws start
+    workers       per worker: its RNG snapshot (``shmloader.rngstate``) before the first batch
+                  not consumed, or None where the worker's seed alone gives it
+    main_rng      the main process's torch / random / NumPy state at ``state_dict()``
+
+Invariant: resuming from a state yields, bit for bit, the batches an uninterrupted run yields
+after the save point (``in_order=True``); the epoch's sampler draws are replayed from
+``epoch_start`` without touching the process's global RNGs, which ``main_rng`` then sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FORMAT = "shmloader.DataLoader"
+VERSION = 1
+ITER_KEYS = (
+    "epoch",
+    "in_epoch",
+    "yielded",
+    "yielded_extra",
+    "base_seed",
+    "epoch_start",
+    "workers",
+)  # what the iterator knows
+_KEYS = ("format", "version", "fingerprint", *ITER_KEYS, "main_rng")
+
+
+def _type_name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def fingerprint(loader: Any) -> dict[str, Any]:
+    """What a state must agree with to be loaded into ``loader``."""
+    try:
+        n: int | None = len(loader.dataset)
+    except TypeError:
+        n = None
+    return {
+        "dataset_len": n,
+        "batch_size": loader.batch_size,
+        "drop_last": loader.drop_last,
+        "sampler": _type_name(loader.sampler),
+        "batch_sampler": _type_name(loader.batch_sampler),
+        "num_workers": loader.num_workers,
+        "in_order": loader.in_order,
+        "persistent_workers": loader.persistent_workers,
+    }
+
+
+_WHY = {
+    "num_workers": (
+        "each worker's random streams and torch's batch-to-worker assignment (batch i goes to "
+        "worker i % num_workers) depend on it, so batches drawn with worker-side randomness "
+        "could not match; resume with the num_workers the state was saved with"
+    ),
+    "persistent_workers": "worker random streams continue across epochs only with it",
+}
+
+
+def check(loader: Any, sd: Any) -> None:
+    """Raise a clear error when ``sd`` is not a state this loader can resume from."""
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        raise ValueError(
+            "not a shmloader DataLoader state: expected a dict from DataLoader.state_dict() "
+            f"with format {FORMAT!r}, got {type(sd).__name__}"
+            + (f" with format {sd.get('format')!r}" if isinstance(sd, dict) else "")
+        )
+    if sd.get("version") != VERSION:
+        raise ValueError(
+            f"DataLoader state version {sd.get('version')!r} is not supported (this shmloader "
+            f"reads version {VERSION})"
+        )
+    missing = [k for k in _KEYS if k not in sd]
+    if missing:
+        raise ValueError(f"corrupted DataLoader state: missing {', '.join(missing)}")
+    _check_types(sd)
+    want = fingerprint(loader)
+    for key, value in want.items():
+        got = sd["fingerprint"].get(key)
+        if got != value:
+            why = _WHY.get(key)
+            raise ValueError(
+                f"DataLoader state mismatch: it was saved with {key}={got!r}, but this loader "
+                f"has {key}={value!r}" + (f" ({why})" if why else "")
+            )
+    if len(sd["workers"]) != max(loader.num_workers, 0) and sd["workers"]:
+        raise ValueError(
+            f"corrupted DataLoader state: {len(sd['workers'])} worker RNG states for "
+            f"num_workers={loader.num_workers}"
+        )
+
+
+def _check_types(sd: dict[str, Any]) -> None:
+    def bad(key: str, what: str) -> ValueError:
+        return ValueError(f"corrupted DataLoader state: {key} must be {what}, got {sd[key]!r:.80}")
+
+    for key in ("epoch", "yielded"):
+        if type(sd[key]) is not int or sd[key] < 0:
+            raise bad(key, "an int >= 0")
+    if type(sd["in_epoch"]) is not bool:
+        raise bad("in_epoch", "a bool")
+    if not isinstance(sd["fingerprint"], dict):
+        raise bad("fingerprint", "a dict")
+    if sd["base_seed"] is not None and type(sd["base_seed"]) is not int:
+        raise bad("base_seed", "an int or None")
+    if not isinstance(sd["yielded_extra"], list) or any(
+        type(p) is not int or p <= sd["yielded"] for p in sd["yielded_extra"]
+    ):
+        raise bad("yielded_extra", "a list of positions past 'yielded'")
+    from shmloader.rngstate import SNAPSHOT
+
+    if not isinstance(sd["workers"], list) or any(
+        w is not None and (type(w) is not bytes or len(w) != SNAPSHOT) for w in sd["workers"]
+    ):
+        raise bad("workers", f"a list of None or {SNAPSHOT}-byte snapshots")
+    if type(sd["main_rng"]) is not bytes or len(sd["main_rng"]) != SNAPSHOT:
+        raise bad("main_rng", f"a {SNAPSHOT}-byte snapshot")
+    es = sd["epoch_start"]
+    if not isinstance(es, dict) or type(es.get("torch_rng")) is not bytes:
+        raise bad("epoch_start", "a dict with torch_rng bytes")
+    if not isinstance(es.get("generators"), dict) or not isinstance(es.get("samplers"), dict):
+        raise bad("epoch_start", "a dict with generators and samplers dicts")
+
+
+# -- the RNG objects a loader draws from ---------------------------------------------------------
+
+
+def generators(loader: Any) -> dict[str, torch.Generator]:
+    """The distinct ``torch.Generator``s of the loader and its samplers, by attribute path."""
+    out: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    bs = loader.batch_sampler
+    inner = getattr(bs, "sampler", None)
+    candidates = [
+        ("generator", loader.generator),
+        ("sampler.generator", getattr(loader.sampler, "generator", None)),
+        ("batch_sampler.generator", getattr(bs, "generator", None)),
+        ("batch_sampler.sampler.generator", getattr(inner, "generator", None)),
+    ]  # fmt: skip
+    for path, gen in candidates:
+        if isinstance(gen, torch.Generator) and id(gen) not in seen:
+            seen.add(id(gen))
+            out[path] = gen
+    return out
+
+
+def stateful_samplers(loader: Any) -> dict[str, Any]:
+    """The loader's samplers that implement ``state_dict`` / ``load_state_dict``."""
+    out = {}
+    for path, obj in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler)):
+        if callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            out[path] = obj
+    return out
+
+
+def generator_states(loader: Any) -> dict[str, bytes]:
+    return {p: bytes(g.get_state().numpy().tobytes()) for p, g in generators(loader).items()}
+
+
+def set_generator_states(loader: Any, states: dict[str, bytes]) -> None:
+    gens = generators(loader)
+    if set(gens) != set(states):
+        raise ValueError(
+            f"DataLoader state mismatch: it was saved with torch.Generators at {sorted(states)}, "
+            f"but this loader has them at {sorted(gens)}"
+        )
+    for path, st in states.items():
+        gens[path].set_state(torch.frombuffer(bytearray(st), dtype=torch.uint8))
+
+
+@dataclass
+class EpochStart:
+    """What an epoch's sampler draws start from: the global torch RNG (after the iterator's base
+    seed draw), the loader's generators, and custom samplers' own ``state_dict()``."""
+
+    torch_rng: bytes
+    generators: dict[str, bytes] = field(default_factory=dict)
+    samplers: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls, loader: Any) -> EpochStart:
+        return cls(
+            bytes(torch.get_rng_state().numpy().tobytes()),
+            generator_states(loader),
+            {p: s.state_dict() for p, s in stateful_samplers(loader).items()},
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "torch_rng": self.torch_rng,
+            "generators": self.generators,
+            "samplers": self.samplers,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EpochStart:
+        return cls(d["torch_rng"], dict(d["generators"]), dict(d["samplers"]))
+
+    def apply(self, loader: Any) -> None:
+        """Put the loader's generators and stateful samplers in this state."""
+        set_generator_states(loader, self.generators)
+        samplers = stateful_samplers(loader)
+        if set(samplers) != set(self.samplers):
+            raise ValueError(
+                f"DataLoader state mismatch: it was saved with stateful samplers at "
+                f"{sorted(self.samplers)}, but this loader has them at {sorted(samplers)}"
+            )
+        for path, st in self.samplers.items():
+            samplers[path].load_state_dict(st)
+
+    @contextlib.contextmanager
+    def replay(self, loader: Any) -> Iterator[None]:
+        """Inside: the loader's generators and samplers and the global torch RNG are where the
+        epoch's draws started; on exit the global torch RNG is what it was before."""
+        self.apply(loader)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(torch.frombuffer(bytearray(self.torch_rng), dtype=torch.uint8))
+            yield
+
+
+@contextlib.contextmanager
+def untouched_rngs(loader: Any) -> Iterator[None]:
+    """Draws made inside (the base seed of a resumed iterator) leave the global torch RNG and the
+    loader's generators as they were."""
+    saved = generator_states(loader)
+    with torch.random.fork_rng(devices=[]):
+        yield
+    set_generator_states(loader, saved)

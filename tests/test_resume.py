@@ -1,0 +1,144 @@
+"""Exact resume: save a loader's state after k batches in one process, resume it in another,
+and compare the batches with the uninterrupted run's, bit for bit (``tests/resume_job.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.resume_job import make_loader
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(spec: dict[str, Any], out: Path) -> list[torch.Tensor]:
+    subprocess.run(
+        [sys.executable, "-m", "tests.resume_job", json.dumps(spec), str(out)],
+        cwd=ROOT, check=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    return torch.load(out, weights_only=True)["batches"]  # type: ignore[no-any-return]
+
+
+def _saved_and_resumed(
+    tmp_path: Path, spec: dict[str, Any]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    state = str(tmp_path / "state.pt")
+    k = spec["save_after"]
+    full = _run({**spec, "mode": "save", "state": state}, tmp_path / "full.pt")
+    resumed = _run({**spec, "mode": "resume", "state": state}, tmp_path / "resumed.pt")
+    return full[k:], resumed
+
+
+CASES = {
+    "0 workers, RandomSampler": {"workers": 0},
+    "0 workers, explicit generator": {"workers": 0, "generator": 5},
+    "2 workers, RandomSampler": {"workers": 2},
+    "2 workers, explicit generator": {"workers": 2, "generator": 3},
+    "2 workers, persistent": {"workers": 2, "persistent": True},
+    "2 workers, persistent, generator": {"workers": 2, "persistent": True, "generator": 3},
+    "2 workers, sequential": {"workers": 2, "sampler": "seq", "save_after": 3},
+    "2 workers, batch_sampler": {"workers": 2, "sampler": "batch_sampler"},
+    "2 workers, custom stateful sampler": {"workers": 2, "sampler": "stateful"},
+    "2 workers, replacement": {"workers": 2, "sampler": "replacement"},
+    "2 workers, saved at an epoch's last batch": {"workers": 2, "save_after": 10},
+    "2 workers, first epoch": {"workers": 2, "save_after": 1, "persistent": True},
+    "3 workers, batch size 3": {"workers": 3, "batch_size": 3, "save_after": 17},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resumed_run_yields_the_uninterrupted_runs_batches_bit_for_bit(
+    tmp_path: Path, case: str
+) -> None:
+    spec = {"epochs": 3, "save_after": 13, **CASES[case]}
+    expected, resumed = _saved_and_resumed(tmp_path, spec)
+    assert len(resumed) == len(expected)
+    for i, (a, b) in enumerate(zip(expected, resumed, strict=True)):
+        assert torch.equal(a, b), f"batch {i} after the save point differs"
+
+
+def test_out_of_order_resume_yields_each_remaining_batch_once(tmp_path: Path) -> None:
+    """in_order=False: the batches not yet consumed, each exactly once (arrival order and the
+    worker that fetches each are timing-dependent, as in any in_order=False run)."""
+    spec = {"epochs": 2, "save_after": 6, "workers": 2, "in_order": False}
+    expected, resumed = _saved_and_resumed(tmp_path, spec)
+
+    def keys(batches: list[torch.Tensor]) -> list[tuple[float, ...]]:
+        return sorted(tuple(b[:, 0].tolist()) for b in batches)
+
+    assert keys(resumed) == keys(expected)
+
+
+def test_state_before_iterating_resumes_at_the_start() -> None:
+    a = make_loader({"workers": 0, "generator": 1})
+    sd = a.state_dict()
+    full = [b.clone() for b in a]
+    b = make_loader({"workers": 0, "generator": 1})
+    b.load_state_dict(sd)
+    assert all(torch.equal(x, y) for x, y in zip(full, b, strict=True))
+
+
+def _state(spec: dict[str, Any], k: int = 2) -> dict[str, Any]:
+    loader = make_loader(spec)
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"batch_size": 5}, "batch_size"),
+        ({"n": 40}, "dataset_len"),
+        ({"sampler": "seq"}, "sampler"),
+        ({"workers": 2}, "num_workers"),
+    ],
+)
+def test_a_state_from_another_loader_is_refused_naming_the_mismatch(
+    changed: dict[str, Any], named: str
+) -> None:
+    sd = _state({"workers": 0})
+    loader = make_loader({"workers": 0, **changed})
+    with pytest.raises(ValueError, match=f"mismatch.*{named}"):
+        loader.load_state_dict(sd)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda sd: "not a dict",
+        lambda sd: {**sd, "format": "torchdata"},
+        lambda sd: {k: v for k, v in sd.items() if k != "yielded"},
+        lambda sd: {**sd, "yielded": -3},
+        lambda sd: {**sd, "main_rng": b"short"},
+        lambda sd: {**sd, "epoch_start": None},
+    ],
+)
+def test_a_corrupted_state_is_refused(corrupt: Any) -> None:
+    sd = _state({"workers": 0})
+    with pytest.raises(ValueError, match="DataLoader state"):
+        make_loader({"workers": 0}).load_state_dict(corrupt(sd))
+
+
+def test_loading_into_a_loader_being_iterated_is_refused() -> None:
+    sd = _state({"workers": 0})
+    loader = make_loader({"workers": 0})
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match="being iterated"):
+        loader.load_state_dict(sd)
+
+
+def test_state_dict_survives_torch_save_with_weights_only(tmp_path: Path) -> None:
+    sd = _state({"workers": 2, "persistent": True})
+    torch.save(sd, tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert back == sd
