@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed_job import BATCH, N, SAVE_AT
+from tests.distributed_job import BATCH, SAVE_AT, N
 
 REPO = Path(__file__).resolve().parents[1]
 
