@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import select
@@ -369,6 +370,9 @@ def hold_loader_until_killed(
     del held
 
 
+HANG_DUMP_S = 25.0  # below the tests' 30 s wait for the scenario to end
+
+
 def _block_in_next(persistent: bool) -> None:
     import shmloader
 
@@ -384,6 +388,9 @@ def _block_in_next(persistent: bool) -> None:
         _report(loader, batches_read=len(first))
 
     threading.Thread(target=report_when_blocked, daemon=True).start()
+    # If neither SIGKILL nor SIGINT ends this process within HANG_DUMP_S, print every thread's
+    # stack and exit: the test then fails showing where the process hung (not just a timeout).
+    faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
     next(it)  # blocks on the gate until SIGKILL / SIGINT (or the gate's bound)
 
 
