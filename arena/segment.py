@@ -2,14 +2,16 @@
 touches shared-memory names and segment file descriptors.
 
 Backends:
-- ``posix``: ``shm_open`` under ``/dev/shm`` through ``posix_ipc``; bounded by that mount's size.
+- ``posix``: a file on the ``/dev/shm`` tmpfs, bounded by that mount's size: unnamed
+  (``O_TMPFILE``) where the kernel allows, else ``shm_open`` through ``posix_ipc``.
 - ``memfd``: ``memfd_create``; anonymous, bounded only by RAM (and the memory cgroup), not by
   the ``/dev/shm`` mount — so it works inside Docker's default 64 MB ``/dev/shm``.
 - ``auto`` (default): ``posix`` when the request fits in ``/dev/shm``'s free space, else ``memfd``
   with a one-time warning.
 
 Invariants:
-- A POSIX name exists only inside :meth:`Segment.create`: it is unlinked before ``create`` returns.
+- A POSIX segment has no name at all (``O_TMPFILE``); where that is unavailable its name exists
+  only inside :meth:`Segment.create`: it is unlinked before ``create`` returns.
   Attachers never need it, because they reopen the owner's descriptor through
   ``/proc/<owner_pid>/fd/<fd>``. So a SIGKILLed owner can leave nothing in ``/dev/shm``.
 - The bytes are physically reserved (``posix_fallocate``) before ``create`` returns: running out of
@@ -175,7 +177,20 @@ def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
     return Backend.MEMFD
 
 
+def _open_tmpfile() -> int:
+    """An unnamed file on the /dev/shm tmpfs (``O_TMPFILE``): it counts against that mount like
+    a POSIX segment but never has a name, so no crash at any moment can leave one behind."""
+    return os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+
+
 def _open_posix(nbytes: int) -> int:
+    try:
+        return _open_tmpfile()
+    except OSError as e:
+        if e.errno == errno.EMFILE:
+            raise
+    # No O_TMPFILE there (an old kernel, another filesystem): a named POSIX segment, unlinked
+    # at once; only a crash inside this window can leave its name behind.
     name = f"{_NAME_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     try:

@@ -78,7 +78,22 @@ def test_unknown_backend_is_rejected():
         Segment.create(PAGE, "tmpfs")
 
 
-def test_posix_name_never_appears_in_dev_shm_after_create_returns(monkeypatch):
+def test_a_posix_segment_has_no_name_and_counts_against_dev_shm():
+    before = set(os.listdir(segment_mod.SHM_DIR))
+    free = segment_mod.shm_free_bytes()
+    seg = Segment.create(64 * PAGE, "posix")
+    try:
+        assert set(os.listdir(segment_mod.SHM_DIR)) == before
+        assert segment_mod.shm_free_bytes() <= free - 64 * PAGE
+    finally:
+        seg.close()
+
+
+def test_without_o_tmpfile_the_posix_name_never_appears_after_create_returns(monkeypatch):
+    def no_tmpfile() -> int:
+        raise OSError(errno.EOPNOTSUPP, "O_TMPFILE not supported")
+
+    monkeypatch.setattr(segment_mod, "_open_tmpfile", no_tmpfile)
     names: list[str] = []
     real = posix_ipc.SharedMemory
 
