@@ -21,6 +21,7 @@ import faulthandler
 import json
 import os
 import select
+import signal
 import struct
 import sys
 import threading
@@ -375,6 +376,11 @@ HANG_DUMP_S = 25.0  # below the tests' 30 s wait for the scenario to end
 
 def _block_in_next(persistent: bool) -> None:
     import shmloader
+
+    # As in a terminal: Python's own Ctrl-C handler. A process started from a background job of
+    # a non-interactive shell (some CI runners) inherits SIGINT ignored, and Python then leaves
+    # it ignored, so the Ctrl-C test would wait for nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     gate = Gate()
     loader = shmloader.DataLoader(
