@@ -40,7 +40,7 @@ import select
 import signal
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -79,7 +79,6 @@ class WorkerConfig:
     init_fn: Any
     main_pid: int
     shared_seed: int | None = None
-    slabs: tuple[SlabSpec, ...] = field(default_factory=tuple)
     close_fds: tuple[int, ...] = ()  # inherited main-process pipe ends (fork only)
     rng_ring: SlabSpec | None = None  # where to publish RNG snapshots (shmloader.rngstate)
     rng_depth: int = 0
@@ -172,8 +171,6 @@ class _Worker:
                 id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=self.dataset
             )
         )
-        for spec in cfg.slabs:
-            self.slabs[spec.slab_id] = Slab.attach(spec)
         try:
             if cfg.init_fn is not None:
                 cfg.init_fn(cfg.worker_id)
