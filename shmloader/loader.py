@@ -74,6 +74,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._live: Callable[[], Any] | None = None  # the latest iterator (a weak reference)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
+        self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -161,15 +162,30 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         other than the one that made it (a fork of the main process), never shared."""
         if self._host is None or not self._host.here:
             opts = self.arena_options
-            nw = self.num_workers
             self._host = ArenaHost(
                 backend=opts.backend,
                 max_bytes=opts.max_bytes,
-                slots_per_slab=opts.slots_per_slab or ((self.prefetch_factor or 2) * nw + 1),
+                slots_per_slab=opts.slots_per_slab or self._default_slots_per_slab(),
                 pin=pin,
                 pin_device=pin_device,
             )
         return self._host
+
+    def _default_slots_per_slab(self) -> int:
+        """A slot for each batch the workers may have in flight, plus those the consumer holds
+        at once (one, unless a :class:`~shmloader.DevicePrefetcher` said it holds more)."""
+        nw = self.num_workers
+        return (self.prefetch_factor or 2) * nw + self._consumer_holds
+
+    def _consumer_will_hold(self, batches: int) -> None:
+        """The consumer keeps up to ``batches`` batches alive at once (a ``DevicePrefetcher`` of
+        depth d: d + 2). New slabs get a slot for each, unless ``arena_slots_per_slab`` was
+        given; without them the workers would wait for slots the consumer holds."""
+        self._consumer_holds = max(self._consumer_holds, batches)
+        host = self._host
+        if host is not None and host.here and not self.arena_options.slots_per_slab:
+            host.arena.slots_per_slab = max(host.arena.slots_per_slab,
+                                            self._default_slots_per_slab())
 
     def __iter__(self) -> Any:
         # A persistent iterator whose workers died, or one inherited through fork() (its

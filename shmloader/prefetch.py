@@ -7,7 +7,13 @@ a DMA straight out of the slot), records a CUDA event, and hands the device batc
 the current stream has been told to wait for that event.
 
 Invariants:
-- Order is the loader's order; at most ``depth`` copies are in flight.
+- Order is the loader's order. When a device batch is handed out, the copies of the next
+  ``depth`` batches have been issued and the batch after those is already taken from the loader
+  (not yet copied): taking it happens while the last copy runs, so the loader's CPU time overlaps
+  the DMA. So ``depth + 2`` host batches (the one handed out, ``depth`` copying, one taken) are
+  held at once, plus those whose copy has not yet completed. A shmloader ``DataLoader`` is told
+  so (``_consumer_will_hold``) and gives its new slabs a slot for each, so its workers do not
+  wait for slots held here.
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
   under an in-flight DMA (FFCV and SPDL do the same).
@@ -25,6 +31,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+
+
+_END = object()  # the loader is exhausted
 
 
 class Event(Protocol):
@@ -115,12 +124,20 @@ class DevicePrefetcher:
             yield from self.loader
             return
         engine = self._engine or CudaCopyEngine(self.device)
+        will_hold = getattr(self.loader, "_consumer_will_hold", None)
+        if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
+            will_hold(self.depth + 2)
         source = iter(self.loader)
         in_flight: deque[tuple[Any, Any, Event]] = deque()  # (host, device, event)
         retiring: deque[tuple[Any, Event]] = deque()  # host batches whose copy may still run
         try:
-            for host in source:
-                in_flight.append((host, *engine.copy(host)))
+            ahead = next(source, _END)
+            while ahead is not _END:
+                in_flight.append((ahead, *engine.copy(ahead)))
+                # Take the next host batch from the loader now, while the copy just issued runs
+                # on the side stream: the loader's CPU time overlaps the DMA even when the
+                # consumer waits for the whole device (torch.cuda.synchronize()) every step.
+                ahead = next(source, _END)
                 if len(in_flight) > self.depth:
                     yield self._hand_over(engine, in_flight, retiring)
             while in_flight:

@@ -39,7 +39,10 @@ def test_every_python_snippet_runs_as_written(code, tmp_path):
                                         pa.list_(pa.float32(), 4)),
                           "label": pa.array(range(64), pa.int64())})
         feather.write_feather(table, str(tmp_path / "train.arrow"), compression="uncompressed")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The repo first, then whatever the caller's PYTHONPATH already held (dependencies installed
+    # with --target, say): replacing it would hide them from the snippet.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     cmd = [sys.executable, "-c", code]
     if "# torchrun --nproc_per_node=2" in code:  # the distributed example: 2 ranks, run twice
         (tmp_path / "train.py").write_text(code)  # (the second run resumes from checkpoints)

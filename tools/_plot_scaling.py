@@ -116,6 +116,12 @@ def render(json_path: Path, img_dir: Path) -> list[Path]:
         if nproc:
             axes[0].plot(*zip(*nproc, strict=True), label="N-process limit (N = workers)",
                          color="black", linestyle=":", marker="x")
+        nproc2 = [(p["workers"], p["nproc2_limit_batches_per_s"] * p["limit_gb_per_s"]
+                   / p["limit_batches_per_s"]) for p in ps
+                  if p.get("nproc2_limit_batches_per_s") and p["limit_batches_per_s"]]
+        if nproc2:
+            axes[0].plot(*zip(*nproc2, strict=True), label="N-process limit, 2 buffers each",
+                         color="black", linestyle="--", marker="+")
         ceiling = [(p["workers"], p["main_ceiling_batches_per_s"] * p["limit_gb_per_s"]
                     / p["limit_batches_per_s"]) for p in ps
                    if p.get("main_ceiling_batches_per_s") and p["limit_batches_per_s"]]

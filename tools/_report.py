@@ -9,7 +9,9 @@ summary from them, so the table, the JSON and the CSV can never disagree:
 - ``worker_us``      the same for the loader's worker processes together; minus the workload's
                      ``bare_us_per_batch`` (fetch + collate in one process) it is the loader's
                      own worker overhead
-- ``pct_nproc_limit`` against the N-process limit (N copiers at once, N = workers)
+- ``pct_nproc_limit`` against the N-process limit (N copiers at once, N = workers, one buffer
+                     each); ``pct_nproc2_limit`` against the same with two buffers each, the
+                     most a loader (which must fill one batch while another is held) can reach
 - ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
 - ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
                      single-copy limit
@@ -28,7 +30,7 @@ from typing import Any, TextIO
 
 PROGRESS_INTERVAL_S = 0.1  # at most this often the TTY progress line is redrawn
 SUMMARY_KEYS = ("batches_per_s", "gb_per_s", "x_torch", "x_torch0", "pct_limit",
-                "pct_nproc_limit", "cpu_us_per_batch", "worker_us_per_batch",
+                "pct_nproc_limit", "pct_nproc2_limit", "cpu_us_per_batch", "worker_us_per_batch",
                 "worker_overhead_us", "peak_pss_mb")
 
 
@@ -107,6 +109,7 @@ class WorkloadResult:
     limit_bytes_per_batch: int = 0
     h2d_limit_batches_per_s: float = 0.0  # device workloads: pinned batch copy_ + synchronize
     nproc_limit_batches_per_s: float = 0.0  # N processes stacking privately at once
+    nproc2_limit_batches_per_s: float = 0.0  # the same, each alternating between 2 buffers
     nproc: int = 0
     bare_us_per_batch: float = 0.0  # collate([ds[i] ...]) in one process
     loaders: list[LoaderResult] = field(default_factory=list)
@@ -122,6 +125,7 @@ class WorkloadResult:
             return result.batches_per_s / other.batches_per_s
 
         limit, nproc = self.limit_batches_per_s, self.nproc_limit_batches_per_s
+        nproc2 = self.nproc2_limit_batches_per_s
         if not result.seconds:  # interrupted before its first repeat finished
             return dict.fromkeys(SUMMARY_KEYS)
         return {
@@ -131,6 +135,7 @@ class WorkloadResult:
             "x_torch0": ratio(self.column("torch-0")),
             "pct_limit": 100 * result.batches_per_s / limit if limit else None,
             "pct_nproc_limit": 100 * result.batches_per_s / nproc if nproc else None,
+            "pct_nproc2_limit": 100 * result.batches_per_s / nproc2 if nproc2 else None,
             "cpu_us_per_batch": result.cpu_us,
             "worker_us_per_batch": result.worker_us if result.num_workers else None,
             "worker_overhead_us": (
@@ -193,7 +198,7 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def format_table(results: list[WorkloadResult]) -> str:
     """The human table: one block per workload, the single-copy limit first, then each loader."""
     header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
-              "% N-proc", "main CPU us/batch", "worker CPU us/batch", "peak PSS MB")
+              "% N-proc", "% N-proc x2", "main CPU us/batch", "worker CPU us/batch", "peak PSS MB")
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for wr in results:
@@ -202,24 +207,30 @@ def format_table(results: list[WorkloadResult]) -> str:
             continue
         limit_gb = wr.limit_bytes_per_batch * wr.limit_batches_per_s / 1e9
         rows.append((wr.workload, "single-copy", f"{wr.limit_batches_per_s:,.1f}",
-                     f"{limit_gb:.2f}", "", "", "100%", "", "", "", ""))
+                     f"{limit_gb:.2f}", "", "", "100%", "", "", "", "", ""))
         if wr.nproc_limit_batches_per_s:
             n_gb = wr.limit_bytes_per_batch * wr.nproc_limit_batches_per_s / 1e9
             rows.append((wr.workload, f"{wr.nproc}-process", f"{wr.nproc_limit_batches_per_s:,.1f}",
-                         f"{n_gb:.2f}", "", "", "", "100%", "", "", ""))
+                         f"{n_gb:.2f}", "", "", "", "100%", "", "", "", ""))
+        if wr.nproc2_limit_batches_per_s:
+            n2_gb = wr.limit_bytes_per_batch * wr.nproc2_limit_batches_per_s / 1e9
+            rows.append((wr.workload, f"{wr.nproc}-process x2 buffers",
+                         f"{wr.nproc2_limit_batches_per_s:,.1f}", f"{n2_gb:.2f}",
+                         "", "", "", "", "100%", "", "", ""))
         if wr.bare_us_per_batch:
-            rows.append((wr.workload, "bare fetch+collate", "", "", "", "", "", "", "",
+            rows.append((wr.workload, "bare fetch+collate", "", "", "", "", "", "", "", "",
                          f"{wr.bare_us_per_batch:,.0f}", ""))
         if wr.h2d_limit_batches_per_s:
             h2d_gb = wr.limit_bytes_per_batch * wr.h2d_limit_batches_per_s / 1e9
             rows.append((wr.workload, "h2d-copy", f"{wr.h2d_limit_batches_per_s:,.1f}",
-                         f"{h2d_gb:.2f}", "", "", "", "", "", "", ""))
+                         f"{h2d_gb:.2f}", "", "", "", "", "", "", "", ""))
         for lr in wr.loaders:
             s = wr.summary(lr)
             rows.append((wr.workload, f"{lr.loader} ({lr.num_workers}w)",
                          _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
                          _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"),
                          _fmt(s["pct_limit"], ".1f", "%"), _fmt(s["pct_nproc_limit"], ".1f", "%"),
+                         _fmt(s["pct_nproc2_limit"], ".1f", "%"),
                          _fmt(s["cpu_us_per_batch"], ",.0f"),
                          _fmt(s["worker_us_per_batch"], ",.0f"), _fmt(s["peak_pss_mb"], ",.0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

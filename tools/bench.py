@@ -37,6 +37,10 @@ Method
   rate / limit rate. The N-process limit (N = ``--workers``) is the aggregate rate of N forked
   processes each doing that copy into a private buffer at the same time for 1 s: what the
   machine's cores and memory bandwidth allow N copiers; ``% N-proc`` = loader rate / that rate.
+  ``N-process x2 buffers`` is the same with each process alternating between two buffers, as a
+  loader must (one batch filled while the consumer holds another); where N buffers fit the
+  last-level cache and 2N do not, the one-buffer limit is a cache rate no loader can reach, and
+  ``% N-proc x2`` is the honest ceiling.
 - Worker CPU per batch = CPU seconds of the loader's worker processes over the timed loop,
   divided by batches. ``bare`` is ``collate([dataset[i] for i in indices])`` in the main process
   (median of 50 batches): the part of a worker's time that is the dataset's and the collate's,
@@ -113,7 +117,9 @@ def run_once(
 ) -> RunSample:
     """Build a loader, run the warm-up and the timed epoch, tear it down (module docstring)."""
     before = {p.pid for p in children()}
-    extra = {"pin_memory": True} if workload.pin_memory else {}  # other columns: unchanged call
+    extra: dict[str, Any] = {"pin_memory": True} if workload.pin_memory else {}
+    if args.prefetch_factor is not None and column.num_workers:
+        extra["prefetch_factor"] = args.prefetch_factor  # else: unchanged call, torch's default
     loader = column.factory(
         workload.dataset,
         batch_size=workload.batch_size,
@@ -189,6 +195,8 @@ def bench_workload(
         progress.start(f"{name} | {args.workers}-process limit")
         result.nproc_limit_batches_per_s = n_process_limit(workload, args.workers)
         result.nproc = args.workers
+        progress.start(f"{name} | {args.workers}-process limit, 2 buffers each")
+        result.nproc2_limit_batches_per_s = n_process_limit(workload, args.workers, buffers=2)
     progress.start(f"{name} | bare fetch+collate")
     result.bare_us_per_batch = bare_fetch_collate_us(workload)
     if workload.device:
@@ -239,6 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 2; 0 with --quick)")
     p.add_argument("--pss-interval", type=float, default=0.05, metavar="SECONDS",
                    help="PSS sampling period; 0 disables PSS sampling (default 0.05)")
+    p.add_argument("--prefetch-factor", type=positive_int, default=None,
+                   help="prefetch_factor of every loader with workers (default: torch's, 2)")
     p.add_argument("--fresh-workers", action="store_true",
                    help="persistent_workers=False: worker start-up is part of each timed epoch")
     args = p.parse_args(argv)
@@ -268,7 +278,7 @@ def _meta(args: argparse.Namespace, columns: list[Column], interrupted: bool) ->
         "platform": platform.platform(), "cpu_count": os.cpu_count(), "loader_versions": versions,
         "seed": args.seed, "workers": args.workers, "repeats": args.repeats, "quick": args.quick,
         "max_batches": args.max_batches, "fresh_workers": args.fresh_workers,
-        "pss_interval_s": args.pss_interval,
+        "pss_interval_s": args.pss_interval, "prefetch_factor": args.prefetch_factor,
         "interrupted": interrupted,
     }
 

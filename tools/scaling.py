@@ -7,8 +7,9 @@ Sweeps
 - ``bytes``: one batch of 64 KiB, 128 KiB, ... 256 MiB (every power of two), 2 workers.
 - ``workers``: 1, 2, 3, 4 workers at an 8 MiB batch. Each point also states the N-process limit
   (N processes each stacking the batch privately at once, N = workers: what the machine's cores
-  and memory allow) and the main-process ceiling (1 / shmloader's main CPU per batch: the serial
-  part no number of workers lifts).
+  and memory allow), the same with two buffers per process (what a loader, which fills one batch
+  while another is held, can reach at most) and the main-process ceiling (1 / shmloader's main
+  CPU per batch: the serial part no number of workers lifts).
 - ``--quick``: 64 KiB, 1 MiB, 16 MiB; 1 and 2 workers; 1 repeat; shorter timed runs.
 
 Data: ``BlobPoolDataset`` — ``BATCH_SIZE`` (16) flat uint8 samples of ``batch_bytes / 16`` bytes,
@@ -115,6 +116,7 @@ class Point:
                 "warmup_batches": self.warmup_batches,
                 "limit_batches_per_s": res.limit_batches_per_s, "limit_gb_per_s": limit_gb,
                 "nproc_limit_batches_per_s": res.nproc_limit_batches_per_s or None,
+                "nproc2_limit_batches_per_s": res.nproc2_limit_batches_per_s or None,
                 "main_ceiling_batches_per_s": self.main_ceiling(),
                 "loaders": loaders}
 
@@ -178,8 +180,10 @@ def measure(point: Point, args: argparse.Namespace, progress: Progress) -> None:
         Workload("blob", dataset, point.batch_size, None, ""))
     if point.sweep == "workers":
         progress.start(f"{name} | {point.workers}-process limit")
-        res.nproc_limit_batches_per_s = n_process_limit(
-            Workload("blob", dataset, point.batch_size, None, ""), point.workers)
+        blob = Workload("blob", dataset, point.batch_size, None, "")
+        res.nproc_limit_batches_per_s = n_process_limit(blob, point.workers)
+        progress.start(f"{name} | {point.workers}-process limit, 2 buffers each")
+        res.nproc2_limit_batches_per_s = n_process_limit(blob, point.workers, buffers=2)
         res.nproc = point.workers
     point.warmup_batches = point.prefetch_factor * point.workers + 2
     rate = min(MAX_RATE, 2 * point.workers * res.limit_batches_per_s)
@@ -207,9 +211,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_tables(points: list[Point]) -> str:
-    header = ("sweep", "batch", "workers", "pf", "limit GB/s", "N-proc GB/s", "main ceil b/s",
+    header = ("sweep", "batch", "workers", "pf", "limit GB/s", "N-proc GB/s", "N-proc x2 GB/s",
+              "main ceil b/s",
               "torch b/s", "torch GB/s", "torch us/b",
-              "shm b/s", "shm GB/s", "shm us/b", "x torch", "% limit", "% N-proc")
+              "shm b/s", "shm GB/s", "shm us/b", "x torch", "% limit", "% N-proc", "% N-proc x2")
     rows: list[tuple[str, ...]] = []
     for p in points:
         t, s = p.summary("torch"), p.summary("shmloader")
@@ -218,16 +223,18 @@ def format_tables(points: list[Point]) -> str:
         res = p.result
         limit_gb = res.limit_bytes_per_batch * res.limit_batches_per_s / 1e9
         nproc_gb = res.limit_bytes_per_batch * res.nproc_limit_batches_per_s / 1e9
+        nproc2_gb = res.limit_bytes_per_batch * res.nproc2_limit_batches_per_s / 1e9
         ceiling = p.main_ceiling()
         rows.append((p.sweep, _size(p.batch_bytes), str(p.workers), str(p.prefetch_factor),
                      f"{limit_gb:.2f}", f"{nproc_gb:.2f}" if nproc_gb else "-",
+                     f"{nproc2_gb:.2f}" if nproc2_gb else "-",
                      _fmt(ceiling, ",.0f"),
                      _fmt(t["batches_per_s"], ",.1f"), _fmt(t["gb_per_s"], ".2f"),
                      _fmt(t["cpu_us_per_batch"], ",.0f"),
                      _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
                      _fmt(s["cpu_us_per_batch"], ",.0f"),
                      _fmt(s["x_torch"], ".2f"), _fmt(s["pct_limit"], ".0f"),
-                     _fmt(s["pct_nproc_limit"], ".0f")))
+                     _fmt(s["pct_nproc_limit"], ".0f"), _fmt(s["pct_nproc2_limit"], ".0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
