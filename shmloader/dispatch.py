@@ -88,6 +88,7 @@ class Dispatch:
         self.status = [True] * num_workers
         self.num_tasks = [0] * num_workers
         self._next_worker = 0
+        self._forced: deque[int] = deque()  # workers of a resumed epoch's first tasks
         self._known_slabs: set[int] = set()
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -120,11 +121,24 @@ class Dispatch:
         self.status = [True] * self.num_workers
         self.num_tasks = [0] * self.num_workers
         self._next_worker = 0
+        self._forced.clear()
 
-    def start_at(self, position: int) -> None:
+    def start_at(self, position: int, replay: dict[str, Any] | None = None) -> None:
         """A resumed epoch's first task is batch ``position`` of the sampler: torch's round robin
-        gives it worker ``position % num_workers``, as in the run that was saved."""
+        gives it worker ``position % num_workers``, as in the run that was saved. ``replay``
+        (IterableDatasets, :mod:`shmloader.progress`): the saved run's workers of its tasks in
+        flight, in order, then its round-robin pointer."""
         self._next_worker = position % self.num_workers
+        if replay is not None:
+            self._forced = deque(replay["assign"])
+            self._next_worker = replay["next_worker"]
+
+    def assignment(self) -> tuple[list[int], int]:
+        """The workers of the tasks decided and not yet consumed, in sampler order, and the
+        round-robin pointer after them (what :meth:`start_at` replays)."""
+        pending = {i.seq: i.worker_id for i in [*self.tasks, *self.arrived]}
+        forced = list(self._forced)  # a replay not finished yet comes after them
+        return [pending[s] for s in sorted(pending)] + forced, self._next_worker
 
     def orphan_answered(self, msg: P.ToMain) -> None:
         """An answer to a task of an abandoned epoch: its slots go back."""
@@ -172,6 +186,8 @@ class Dispatch:
     def _pick_worker(self) -> int | None:
         """torch's choice: the next live worker in round-robin order (below its share of tasks
         when not in order)."""
+        if self._forced:
+            return self._forced.popleft()
         n = self.num_workers
         for _ in range(n):
             wid = self._next_worker

@@ -37,6 +37,7 @@ import torch
 from arena import Backend
 from shmloader import protocol as P
 from shmloader._torch_compat import (
+    ITERABLE_KIND,
     IterDataPipe,
     MapDataPipe,
     _BaseDataLoaderIter,
@@ -47,6 +48,7 @@ from shmloader.collate import slot_default_collate
 from shmloader.dispatch import Dispatch
 from shmloader.host import ArenaHost
 from shmloader.lease import Leases
+from shmloader.progress import WorkerProgress
 from shmloader.reorder import TaskInfo
 from shmloader.rngstate import RngRing
 from shmloader.sampling import fast_batches
@@ -88,14 +90,18 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._base_seed = plan["base_seed"]  # type: ignore[index]
         nw: int = self._num_workers
         pf = loader.prefetch_factor or 2
-        # Worker RNG snapshots (shmloader.rngstate): what a resumed worker starts from, and
-        # per worker the (epoch, seq) of its last task the user consumed.
-        carry = list(plan["workers"]) if resumed and plan["workers"] else [None] * nw  # type: ignore[index]
-        self._rng_carry: list[bytes | None] = carry
-        self._rng_last: list[tuple[int, int] | None] = [None] * nw
         # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
         self._rng_ring = RngRing.create(nw, pf + 4, Backend.MEMFD)
         weakref.finalize(self, self._rng_ring.close)
+        mid_epoch = resumed and plan["in_epoch"]  # type: ignore[index]
+        iterable = self._dataset_kind == ITERABLE_KIND
+        self._progress = WorkerProgress(
+            nw,
+            self._rng_ring,
+            iterable,
+            rng_carry=list(plan["workers"]) if resumed and plan["workers"] else None,  # type: ignore[index]
+            replicas=plan.get("replicas") if mid_epoch else None,  # type: ignore[union-attr]
+        )
         self._plan = plan
         self._ended = False
         ctx = loader.multiprocessing_context or torch.multiprocessing.get_context()
@@ -110,6 +116,9 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         self._host = host = host_for(self._pin_memory, self._pin_memory_device)
         self._leases = host.leases
         self._pid = os.getpid()
+        # An IterableDataset's sampler is torch's infinite constant one: any draw is the index
+        # of one batch ([None] * batch_size, or None), what a resumed replica fast-forwards with.
+        one_index = next(iter(self._index_sampler)) if iterable and mid_epoch else None
         configs = [
             WorkerConfig(
                 worker_id=i,
@@ -125,7 +134,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 shared_seed=self._shared_seed,
                 rng_ring=self._rng_ring.slab.spec,
                 rng_depth=self._rng_ring.depth,
-                rng_restore=carry[i],
+                rng_restore=self._progress.rng_carry[i],
+                replica_restore=self._progress.restore_for(i, one_index),
             )
             for i in range(nw)
         ]
@@ -170,6 +180,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             if self.failure is not None:
                 raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
             d = self._dispatch
+            if plan is None:
+                self._progress.new_epoch()
             if not first_iter:
                 d.new_epoch()
                 for wid in range(self._num_workers):
@@ -178,7 +190,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             for _ in range(skip):
                 self._next_index()  # type: ignore[no-untyped-call]
             self._num_yielded = skip
-            d.start_at(skip)
+            d.start_at(skip, plan.get("replicas") if plan else None)
             self._pos = skip  # sampler position of the next index drawn
             self._skip: set[int] = set(plan["yielded_extra"]) if plan else set()
             self._prefix = skip  # in_order=False: positions below it are all consumed
@@ -215,10 +227,6 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         d = self._dispatch
         while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
             self._receive()
-        workers = [
-            self._rng_carry[w] if last is None else self._rng_ring.read(w, *last)
-            for w, last in enumerate(self._rng_last)
-        ]
         in_epoch = not self._ended
         return {
             "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
@@ -227,7 +235,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             "yielded_extra": sorted(self._done) if in_epoch and not d.in_order else [],
             "base_seed": int(self._base_seed),
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
-            "workers": workers,
+            "workers": self._progress.rng_states(),
+            "replicas": self._progress.replica_record(*d.assignment()) if in_epoch else None,
         }
 
     # -- receiving ------------------------------------------------------------------------------
@@ -286,10 +295,13 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _handle(self, wid: int, msg: P.ToMain) -> None:
         d = self._dispatch
+        if isinstance(msg, P.ReplicaState):
+            self._progress.replica_state(msg, d.epoch)
+            return
         if msg.epoch != d.epoch:
             d.orphan_answered(msg)
             if not isinstance(msg, P.NeedSlot):
-                self._rng_last[wid] = (msg.epoch, msg.seq)
+                self._progress.orphan_answered(wid, msg.epoch, msg.seq)
             return
         info = d.tasks.get(msg.seq)
         if info is None or isinstance(msg, P.Dropped):
@@ -324,7 +336,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
-        self._rng_last[info.worker_id] = (d.epoch, info.seq)
+        self._progress.consumed(info.worker_id, d.epoch, info.seq)
         if not d.in_order:
             self._consumed(self._positions[info.seq])
         d.num_tasks[info.worker_id] -= 1

@@ -122,6 +122,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             body = {
                 "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
                 "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],
+                "replicas": None,
             }  # fmt: skip
         else:
             body = it.resume_state()
@@ -145,8 +146,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 "load_state_dict() called while this DataLoader is being iterated (an iterator "
                 "of it is mid-epoch): load the state before iterating, into a fresh DataLoader"
             )
-        S.check(self, state_dict)
-        sd = dict(state_dict)
+        sd = S.check(self, state_dict)
         if isinstance(self._iterator, ShmDataLoaderIter):  # an idle persistent iterator
             self._iterator._shutdown_workers()
         self._iterator = None

@@ -32,7 +32,6 @@ from typing import Any, Protocol
 
 import torch
 
-
 _END = object()  # the loader is exhausted
 
 

@@ -15,7 +15,9 @@ Worker -> main: ``READY`` (the batch is in the slot; its layout follows), ``NEED
 batch needs ``nbytes``; the worker waits for ``GRANT`` or ``DENY``), ``FAILED`` (dataset or
 collate raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the
 task belongs to an epoch that a later ``RESUME`` abandoned: fetched, as torch does, but its slot
-was not touched).
+was not touched), ``REPLICA`` (the state of the worker's IterableDataset replica after a task,
+pickled, sent just before that task's answer; only for datasets with ``state_dict`` /
+``load_state_dict``, for ``DataLoader.state_dict()``).
 
 A task's index travels as raw little-endian int64 when it is a :class:`PackedIndices` (the fast
 sampler path, :mod:`shmloader.sampling`: the worker gets a ``list`` of ``int``, as torch's batch
@@ -60,6 +62,7 @@ class Kind(enum.IntEnum):
     FAILED = 18
     EXHAUSTED = 19
     DROPPED = 20
+    REPLICA = 21
 
 
 class IndexCoding(enum.IntEnum):
@@ -178,8 +181,15 @@ class Dropped(NamedTuple):
     worker_id: int
 
 
+class ReplicaState(NamedTuple):
+    seq: int
+    epoch: int
+    worker_id: int
+    state: bytes  # pickle of the replica's ``state_dict()`` after task ``seq``
+
+
 ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny | Revoke
-ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped
+ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped | ReplicaState
 
 
 def ready(seq: int, epoch: int, worker_id: int, desc: Descriptor) -> bytes:
@@ -224,6 +234,8 @@ def encode(msg: ToWorker | ToMain) -> bytes:
         return _EVENT.pack(Kind.EXHAUSTED, msg.seq, msg.epoch, msg.worker_id)
     if isinstance(msg, Dropped):
         return _EVENT.pack(Kind.DROPPED, msg.seq, msg.epoch, msg.worker_id)
+    if isinstance(msg, ReplicaState):
+        return _EVENT.pack(Kind.REPLICA, msg.seq, msg.epoch, msg.worker_id) + msg.state
     if isinstance(msg, Attach):
         return _KIND.pack(Kind.ATTACH) + pickle.dumps(msg.spec, _PICKLE)
     if isinstance(msg, Detach):
@@ -270,6 +282,9 @@ def decode(frame: bytes) -> ToWorker | ToMain:
     if kind == Kind.DROPPED:
         _, seq, epoch, wid = _EVENT.unpack_from(frame)
         return Dropped(seq, epoch, wid)
+    if kind == Kind.REPLICA:
+        _, seq, epoch, wid = _EVENT.unpack_from(frame)
+        return ReplicaState(seq, epoch, wid, bytes(memoryview(frame)[_EVENT.size :]))
     if kind == Kind.ATTACH:
         return Attach(pickle.loads(memoryview(frame)[_KIND.size :]))
     if kind == Kind.DETACH:

@@ -5,6 +5,10 @@ records where the epoch's sampler draws started (:class:`shmloader.state.EpochSt
 the epoch, and on a resumed state replays the sampler's draws and skips the batches already
 consumed without fetching them. With no workers the dataset draws from the main process's
 global RNGs, which the state carries as ``main_rng``.
+
+An IterableDataset has no sampler to skip: a dataset with ``state_dict`` / ``load_state_dict``
+is loaded with its saved state before ``iter()``; any other is fast-forwarded (the batches
+already consumed are fetched again and dropped, with the global RNGs put back afterwards).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Any
 
 import torch
 
-from shmloader.state import EpochStart, untouched_rngs
+from shmloader import rngstate
+from shmloader.state import EpochStart, is_stateful, untouched_rngs
 
 _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoaderIter
 
@@ -22,6 +27,9 @@ _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoa
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         resumed = plan is not None and plan["in_epoch"]
+        replica = plan["replicas"]["workers"][0] if resumed and plan["replicas"] else None  # type: ignore[index]
+        if replica is not None and "state" in replica:
+            loader.dataset.load_state_dict(replica["state"])  # before iter(dataset)
         with untouched_rngs(loader) if resumed else contextlib.nullcontext():
             super().__init__(loader)
         self._ended = False
@@ -38,6 +46,18 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             for _ in range(plan["yielded"]):
                 self._next_index()  # type: ignore[no-untyped-call]
         self._num_yielded = plan["yielded"]
+        if replica is not None and "state" not in replica:
+            self._fast_forward(replica["batches"])
+
+    def _fast_forward(self, batches: int) -> None:
+        saved = rngstate.capture()  # the draws of batches already consumed are not replayed
+        try:
+            for _ in range(batches):
+                self._dataset_fetcher.fetch(self._next_index())  # type: ignore[no-untyped-call]
+        except StopIteration:
+            pass
+        finally:
+            rngstate.restore(saved)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
@@ -61,4 +81,13 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             "base_seed": int(self._base_seed) if in_epoch else None,
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
             "workers": [],
+            "replicas": self._replicas() if in_epoch else None,
         }
+
+    def _replicas(self) -> dict[str, Any] | None:
+        if self._dataset_kind != torch.utils.data.dataloader._DatasetKind.Iterable:
+            return None
+        entry: dict[str, Any] = {"batches": self._num_yielded}
+        if is_stateful(self._dataset):
+            entry["state"] = self._dataset.state_dict()  # type: ignore[attr-defined]
+        return {"workers": [entry], "assign": [], "next_worker": 0}

@@ -3,7 +3,8 @@
 ``DataLoader.state_dict()`` returns a plain dict (ints, bools, strings, bytes, lists; no batch
 data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads back::
 
-    format "shmloader.DataLoader", version 1
+    format "shmloader.DataLoader", version 2 (version 1, which had no ``replicas``, still loads
+                  for map-style datasets)
     fingerprint   what must match at load: dataset length, batch size, drop_last, sampler and
                   batch sampler types, num_workers, in_order, persistent_workers
     epoch         0-based number of the epoch in progress (in_epoch) or of the next one
@@ -16,6 +17,11 @@ data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads bac
                   epochs, where the next epoch's draws start
     workers       per worker: its RNG snapshot (``shmloader.rngstate``) before the first batch
                   not consumed, or None where the worker's seed alone gives it
+    replicas      IterableDatasets mid-epoch (else None): per worker (one entry with
+                  num_workers=0) the batches of the epoch consumed from it and, for a dataset
+                  with ``state_dict`` / ``load_state_dict``, its ``state_dict()`` after them;
+                  the workers of the tasks in flight and torch's round-robin pointer
+                  (``shmloader.progress``)
     main_rng      the main process's torch / random / NumPy state at ``state_dict()``
 
 Invariant: resuming from a state yields, bit for bit, the batches an uninterrupted run yields
@@ -33,7 +39,8 @@ from typing import Any
 import torch
 
 FORMAT = "shmloader.DataLoader"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions load_state_dict accepts
 ITER_KEYS = (
     "epoch",
     "in_epoch",
@@ -42,6 +49,7 @@ ITER_KEYS = (
     "base_seed",
     "epoch_start",
     "workers",
+    "replicas",
 )  # what the iterator knows
 _KEYS = ("format", "version", "fingerprint", *ITER_KEYS, "main_rng")
 
@@ -78,19 +86,28 @@ _WHY = {
 }
 
 
-def check(loader: Any, sd: Any) -> None:
-    """Raise a clear error when ``sd`` is not a state this loader can resume from."""
+def check(loader: Any, sd: Any) -> dict[str, Any]:
+    """Raise a clear error when ``sd`` is not a state this loader can resume from; else ``sd``
+    in this version's form (a copy)."""
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ValueError(
             "not a shmloader DataLoader state: expected a dict from DataLoader.state_dict() "
             f"with format {FORMAT!r}, got {type(sd).__name__}"
             + (f" with format {sd.get('format')!r}" if isinstance(sd, dict) else "")
         )
-    if sd.get("version") != VERSION:
+    if sd.get("version") not in READS:
         raise ValueError(
             f"DataLoader state version {sd.get('version')!r} is not supported (this shmloader "
-            f"reads version {VERSION})"
+            f"reads versions {', '.join(map(str, READS))})"
         )
+    if sd["version"] == 1:
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset) and sd.get("in_epoch"):
+            raise ValueError(
+                "this DataLoader state (version 1, from an earlier shmloader) was saved mid-epoch "
+                "over an IterableDataset without its replicas' progress, so it cannot resume "
+                "exactly; resume from a state saved by this version, or from an epoch boundary"
+            )
+        sd = {**sd, "replicas": None}
     missing = [k for k in _KEYS if k not in sd]
     if missing:
         raise ValueError(f"corrupted DataLoader state: missing {', '.join(missing)}")
@@ -109,6 +126,13 @@ def check(loader: Any, sd: Any) -> None:
             f"corrupted DataLoader state: {len(sd['workers'])} worker RNG states for "
             f"num_workers={loader.num_workers}"
         )
+    rep = sd["replicas"]
+    if rep is not None and len(rep["workers"]) != max(loader.num_workers, 1):
+        raise ValueError(
+            f"corrupted DataLoader state: {len(rep['workers'])} IterableDataset replicas for "
+            f"num_workers={loader.num_workers}"
+        )
+    return dict(sd)
 
 
 def _check_types(sd: dict[str, Any]) -> None:
@@ -130,6 +154,15 @@ def _check_types(sd: dict[str, Any]) -> None:
         raise bad("yielded_extra", "a list of positions past 'yielded'")
     from shmloader.rngstate import SNAPSHOT
 
+    rep = sd["replicas"]
+    if rep is not None and not (
+        isinstance(rep, dict)
+        and isinstance(rep.get("workers"), list)
+        and all(isinstance(w, dict) and type(w.get("batches")) is int for w in rep["workers"])
+        and isinstance(rep.get("assign"), list)
+        and type(rep.get("next_worker")) is int
+    ):
+        raise bad("replicas", "None or a dict of workers, assign and next_worker")
     if not isinstance(sd["workers"], list) or any(
         w is not None and (type(w) is not bytes or len(w) != SNAPSHOT) for w in sd["workers"]
     ):
@@ -165,15 +198,18 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
     return out
 
 
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows torchdata's Stateful protocol (``state_dict`` and
+    ``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
 def stateful_samplers(loader: Any) -> dict[str, Any]:
     """The loader's samplers that implement ``state_dict`` / ``load_state_dict``."""
-    out = {}
-    for path, obj in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler)):
-        if callable(getattr(obj, "state_dict", None)) and callable(
-            getattr(obj, "load_state_dict", None)
-        ):
-            out[path] = obj
-    return out
+    pairs = (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler))
+    return {path: obj for path, obj in pairs if is_stateful(obj)}
 
 
 def generator_states(loader: Any) -> dict[str, bytes]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
 import select
 import signal
@@ -62,6 +63,7 @@ from shmloader.collate import SlotSession, SlotView
 from shmloader.frames import HEADER, SMALL_FRAME, FrameReader
 from shmloader.pack import Packed
 from shmloader.rngstate import RngRing, restore
+from shmloader.state import is_stateful
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class WorkerConfig:
     rng_ring: SlabSpec | None = None  # where to publish RNG snapshots (shmloader.rngstate)
     rng_depth: int = 0
     rng_restore: bytes | None = None  # RNG state to start from (a resumed DataLoader state)
+    # IterableDataset replica of a resumed epoch: {"batches": consumed, "state": pickled
+    # state_dict() or None} (shmloader.progress)
+    replica_restore: dict[str, Any] | None = None
 
 
 class _KeepSamples:
@@ -150,6 +155,9 @@ class _Worker:
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
         self.fetcher: Any = None
+        # An IterableDataset replica with torchdata's Stateful protocol reports its state_dict()
+        # after every batch (REPLICA), for DataLoader.state_dict().
+        self.stateful = cfg.dataset_kind == ITERABLE_KIND and is_stateful(self.dataset)
         self.rng = None if cfg.rng_ring is None else RngRing.attach(cfg.rng_ring, cfg.rng_depth)
 
     def where(self) -> str:
@@ -174,12 +182,31 @@ class _Worker:
         try:
             if cfg.init_fn is not None:
                 cfg.init_fn(cfg.worker_id)
+            restore_replica = cfg.replica_restore
+            if restore_replica is not None and restore_replica["state"] is not None:
+                self.dataset.load_state_dict(pickle.loads(restore_replica["state"]))
+                restore_replica = None
             self.make_fetcher()
+            if restore_replica is not None:
+                self.fast_forward(restore_replica["batches"], restore_replica["index"])
         # User code failed: forward it to the main process, as torch does.
         except Exception:  # noqa: BLE001
             self.init_error = wrap_current_exception(self.where())
         if cfg.rng_restore is not None:
             restore(cfg.rng_restore)  # where the saved run's worker was, after its init
+
+    def fast_forward(self, batches: int, index: Any) -> None:
+        """A resumed replica without ``load_state_dict``: fetch the batches the user already
+        consumed from this worker again, and drop them (the RNG snapshot is restored after)."""
+        for _ in range(batches):
+            try:
+                with SlotSession(None):
+                    self.fetcher.fetch(index)
+            except StopIteration:
+                self.iteration_end = True
+                return
+            finally:
+                self.collator.samples = None
 
     def _apply_shared_seed(self, shared_seed: int) -> None:
         from torch.utils.data.graph_settings import apply_random_seed
@@ -246,7 +273,8 @@ class _Worker:
         return view
 
     def send(self, msg: P.ToMain) -> None:
-        if self.rng is not None and not isinstance(msg, P.NeedSlot):  # an answer: see ready()
+        if self.rng is not None and not isinstance(msg, P.NeedSlot | P.ReplicaState):
+            # an answer: see ready()
             self.rng.publish(self.cfg.worker_id, msg.epoch, msg.seq)
         self.conn.send_bytes(P.encode(msg))
 
@@ -314,6 +342,9 @@ class _Worker:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
                 del data
+            if self.stateful:  # the replica's state after this batch, before its answer
+                state = pickle.dumps(self.dataset.state_dict(), pickle.HIGHEST_PROTOCOL)
+                self.send(P.ReplicaState(task.seq, task.epoch, wid, state))
         except StopIteration:
             if self.cfg.dataset_kind != ITERABLE_KIND:
                 self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))

@@ -56,15 +56,55 @@ class StatefulSampler(torch.utils.data.Sampler[int]):
         self.rng.bit_generator.state = sd["rng"]
 
 
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """An IterableDataset whose replicas shard ``range(n)`` by worker (so they end at different
+    batches) and draw from torch, ``random`` and NumPy per item, as augmentations do."""
+
+    def __init__(self, n: int, short_first: bool = False) -> None:
+        self.n = n
+        self.short_first = short_first  # worker 0's replica holds 3 items, one short batch
+        self.pos = 0  # items this replica has yielded in the current pass
+        self._start = 0  # where the next pass starts (a loaded state)
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        items = range(wid, self.n, nw)
+        if self.short_first and wid == 0:
+            items = items[:3]
+        self.pos, self._start = self._start, 0
+        while self.pos < len(items):
+            i = items[self.pos]
+            self.pos += 1
+            yield torch.tensor(
+                [float(i), torch.rand(()).item(), random.random(), float(np.random.rand())],
+                dtype=torch.float64,
+            )
+
+
+class StatefulStream(Stream):
+    """``Stream`` with torchdata's Stateful protocol."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._start = sd["pos"]
+
+
 def make_loader(spec: dict[str, Any]) -> DataLoader[Any]:
     n = spec.get("n", 37)
-    ds = RandomAugment(n)
     kw: dict[str, Any] = {
         "num_workers": spec.get("workers", 0),
         "persistent_workers": spec.get("persistent", False),
         "in_order": spec.get("in_order", True),
         "timeout": 60 if spec.get("workers", 0) else 0,
     }
+    stream = {"stream": Stream, "stateful_stream": StatefulStream}.get(spec.get("dataset", ""))
+    if stream is not None:
+        ds = stream(n, spec.get("short_first", False))
+        return DataLoader(ds, batch_size=spec.get("batch_size", 4), **kw)
+    ds = RandomAugment(n)
     if spec.get("generator") is not None:
         kw["generator"] = torch.Generator().manual_seed(spec["generator"])
     sampler = spec.get("sampler", "random")
