@@ -110,24 +110,20 @@ def render(json_path: Path, img_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
         _panel(axes[0], by_workers, "workers", "gb_per_s", "GB/s")
         ps = sorted(by_workers, key=lambda p: p["workers"])
-        nproc = [(p["workers"], p["nproc_limit_batches_per_s"] * p["limit_gb_per_s"]
-                  / p["limit_batches_per_s"]) for p in ps
-                 if p.get("nproc_limit_batches_per_s") and p["limit_batches_per_s"]]
-        if nproc:
-            axes[0].plot(*zip(*nproc, strict=True), label="N-process limit (N = workers)",
-                         color="black", linestyle=":", marker="x")
-        nproc2 = [(p["workers"], p["nproc2_limit_batches_per_s"] * p["limit_gb_per_s"]
-                   / p["limit_batches_per_s"]) for p in ps
-                  if p.get("nproc2_limit_batches_per_s") and p["limit_batches_per_s"]]
-        if nproc2:
-            axes[0].plot(*zip(*nproc2, strict=True), label="N-process limit, 2 buffers each",
-                         color="black", linestyle="--", marker="+")
-        ceiling = [(p["workers"], p["main_ceiling_batches_per_s"] * p["limit_gb_per_s"]
-                    / p["limit_batches_per_s"]) for p in ps
-                   if p.get("main_ceiling_batches_per_s") and p["limit_batches_per_s"]]
-        if ceiling:
-            axes[0].plot(*zip(*ceiling, strict=True), color="grey", linestyle="-.",
-                         label="main-process ceiling (1 / CPU per batch)")
+        # Reference lines, in GB/s: a batches/s figure of each point times its bytes per batch.
+        lines = (
+            ("nproc_limit_batches_per_s", "N-process limit (N = workers)",
+             {"color": "black", "linestyle": ":", "marker": "x"}),
+            ("nproc2_limit_batches_per_s", "N-process limit, 2 buffers each",
+             {"color": "black", "linestyle": "--", "marker": "+"}),
+            ("main_ceiling_batches_per_s", "main-process ceiling (1 / CPU per batch)",
+             {"color": "grey", "linestyle": "-."}),
+        )  # fmt: skip
+        for key, label, style in lines:
+            xy = [(p["workers"], p[key] * p["limit_gb_per_s"] / p["limit_batches_per_s"])
+                  for p in ps if p.get(key) and p["limit_batches_per_s"]]
+            if xy:
+                axes[0].plot(*zip(*xy, strict=True), label=label, **style)
         axes[0].legend(fontsize="small")
         _panel(axes[1], by_workers, "workers", "cpu_us_per_batch",
                "main-process CPU us per batch")
