@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shmloader import rngstate
+from shmloader._torch_compat import ITERABLE_KIND
 from shmloader.state import EpochStart, is_stateful, untouched_rngs
 
 _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoaderIter
@@ -85,7 +86,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         }
 
     def _replicas(self) -> dict[str, Any] | None:
-        if self._dataset_kind != torch.utils.data.dataloader._DatasetKind.Iterable:
+        if self._dataset_kind != ITERABLE_KIND:
             return None
         entry: dict[str, Any] = {"batches": self._num_yielded}
         if is_stateful(self._dataset):

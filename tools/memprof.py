@@ -280,13 +280,7 @@ def run_compare(args: argparse.Namespace, out: Path) -> int:
     print(f"peak total PSS ratio (shmloader / torch): {ratios['peak total PSS'] or 0:.2f}")
     result = {"workload": args.workload, "workers": args.workers, "quick": args.quick,
               "ratio_peak_total_pss": ratios["peak total PSS"], "ratios": ratios, "runs": runs}
-    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_plot:
-        from ._plot import render_compare
-
-        path = render_compare(out, {k: out / k for k in runs}, head[3:])
-        if path is not None:
-            print(f"comparison plot: {path}")
+    _write_summary(out, result, runs, head[3:], args.no_plot)
     return status
 
 
@@ -344,13 +338,7 @@ def run_arrow(args: argparse.Namespace, out: Path) -> int:
     print(f"\n{head}\n   file: {path}, {mib(file_bytes)} MiB\n{table}")
     result = {"workload": "arrow", "loader": args.loader, "workers": args.workers,
               "quick": args.quick, "file": path, **numbers, "runs": runs}
-    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_plot:
-        from ._plot import render_compare
-
-        plot = render_compare(out, {k: out / k for k in runs}, head[3:])
-        if plot is not None:
-            print(f"comparison plot: {plot}")
+    _write_summary(out, result, runs, head[3:], args.no_plot)
     return status
 
 
@@ -434,6 +422,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 130 if interrupted else int(summary["exit_code"] or 0)
+
+
+def _write_summary(
+    out: Path, result: dict[str, Any], runs: dict[str, Any], labels: Any, no_plot: bool
+) -> None:
+    """``summary.json`` in ``out``, and the comparison plot of ``runs`` unless ``no_plot``."""
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not no_plot:
+        from ._plot import render_compare
+
+        plot = render_compare(out, {k: out / k for k in runs}, labels)
+        if plot is not None:
+            print(f"comparison plot: {plot}")
 
 
 if __name__ == "__main__":
