@@ -177,6 +177,16 @@ class Dispatch:
         self.asked.discard(seq)
         self.release(info.slots())
 
+    def retire(self, wid: int, info: TaskInfo[Answer]) -> None:
+        """Worker ``wid`` answered task ``info`` with EXHAUSTED: its replica ended, so torch marks
+        the worker unavailable. With ``in_order=False`` its later tasks are dropped too (they will
+        never be answered, and nothing waits for them)."""
+        self.drop(info.seq)
+        self.status[wid] = False
+        if not self.in_order:
+            for later in [i for i in self.tasks if i.worker_id == wid and i.answer is None]:
+                self.drop(later.seq)
+
     def release(self, slots: list[SlotRef]) -> None:
         for ref in slots:
             self.arena.release(ref)
@@ -396,6 +406,13 @@ class Dispatch:
 
     def answer(self, info: TaskInfo[Answer], msg: Answer) -> None:
         """Record a task's answer; its spare slots go back (the worker is done reading them)."""
+        if isinstance(msg, P.Ready):
+            if msg.ref != info.ref:
+                raise RuntimeError(
+                    f"worker {msg.worker_id} answered task {msg.seq} in slot {msg.ref}, "
+                    f"but the task was given {info.ref}"
+                )
+            self.arena.mark_ready(msg.ref)
         info.answer = msg
         if info.spares:
             self.release(info.spares)

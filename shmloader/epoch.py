@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 import weakref
@@ -34,27 +33,17 @@ from typing import Any
 
 import torch
 
-from arena import Backend
 from shmloader import protocol as P
-from shmloader._torch_compat import (
-    ITERABLE_KIND,
-    IterDataPipe,
-    MapDataPipe,
-    _BaseDataLoaderIter,
-    _sharding_worker_init_fn,
-    profiler_enabled,
-)
-from shmloader.collate import slot_default_collate
+from shmloader._torch_compat import _BaseDataLoaderIter, profiler_enabled
 from shmloader.dispatch import Dispatch
 from shmloader.host import ArenaHost
 from shmloader.lease import Leases
-from shmloader.progress import WorkerProgress
+from shmloader.progress import SamplerProgress
 from shmloader.reorder import TaskInfo
-from shmloader.rngstate import RngRing
 from shmloader.sampling import fast_batches
+from shmloader.startup import start_workers
 from shmloader.state import EpochStart, untouched_rngs
 from shmloader.supervisor import Supervisor, WorkerDeath
-from shmloader.worker import WorkerConfig
 
 WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still wake it at once)
 
@@ -89,59 +78,14 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if resumed:
             self._base_seed = plan["base_seed"]  # type: ignore[index]
         nw: int = self._num_workers
-        pf = loader.prefetch_factor or 2
-        # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
-        self._rng_ring = RngRing.create(nw, pf + 4, Backend.MEMFD)
-        weakref.finalize(self, self._rng_ring.close)
-        mid_epoch = resumed and plan["in_epoch"]  # type: ignore[index]
-        iterable = self._dataset_kind == ITERABLE_KIND
-        self._progress = WorkerProgress(
-            nw,
-            self._rng_ring,
-            iterable,
-            rng_carry=list(plan["workers"]) if resumed and plan["workers"] else None,  # type: ignore[index]
-            replicas=plan.get("replicas") if mid_epoch else None,  # type: ignore[union-attr]
-        )
         self._plan = plan
         self._ended = False
-        ctx = loader.multiprocessing_context or torch.multiprocessing.get_context()
-        init_fn = loader.worker_init_fn
-        if isinstance(self._dataset, IterDataPipe | MapDataPipe):
-            init_fn = functools.partial(
-                _sharding_worker_init_fn, init_fn, self._world_size, self._rank
-            )
-        collate_fn = self._collate_fn
-        if collate_fn is torch.utils.data.default_collate:
-            collate_fn = slot_default_collate
         self._host = host = host_for(self._pin_memory, self._pin_memory_device)
         self._leases = host.leases
         self._pid = os.getpid()
-        # An IterableDataset's sampler is torch's infinite constant one: any draw is the index
-        # of one batch ([None] * batch_size, or None), what a resumed replica fast-forwards with.
-        one_index = next(iter(self._index_sampler)) if iterable and mid_epoch else None
-        configs = [
-            WorkerConfig(
-                worker_id=i,
-                num_workers=nw,
-                dataset_kind=self._dataset_kind,
-                dataset=self._dataset,
-                auto_collation=self._auto_collation,
-                collate_fn=collate_fn,
-                drop_last=self._drop_last,
-                base_seed=int(self._base_seed),
-                init_fn=init_fn,
-                main_pid=self._pid,
-                shared_seed=self._shared_seed,
-                rng_ring=self._rng_ring.slab.spec,
-                rng_depth=self._rng_ring.depth,
-                rng_restore=self._progress.rng_carry[i],
-                replica_restore=self._progress.restore_for(i, one_index),
-            )
-            for i in range(nw)
-        ]
-        self._sup = Supervisor(ctx, configs)
+        self._sup, _, self._progress = start_workers(self, loader, plan, self._pid)
         self._workers = self._sup.procs  # torch's name: pid, exitcode, is_alive(), join()
-        max_tasks = pf * nw
+        max_tasks = (loader.prefetch_factor or 2) * nw
         self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order)
         # Dropped, exhausted or failed: stop the workers, then give back every slot in flight.
         self._finalizer = weakref.finalize(
@@ -191,24 +135,15 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 self._next_index()  # type: ignore[no-untyped-call]
             self._num_yielded = skip
             d.start_at(skip, plan.get("replicas") if plan else None)
-            self._pos = skip  # sampler position of the next index drawn
-            self._skip: set[int] = set(plan["yielded_extra"]) if plan else set()
-            self._prefix = skip  # in_order=False: positions below it are all consumed
-            self._done: set[int] = set(self._skip)  # ... and these past it
-            self._positions: list[int] = []  # in_order=False: seq -> sampler position
+            self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
             for _ in range(d.max_tasks):  # torch primes the prefetch loop with this many attempts
                 self._try_put()
 
     def _try_put(self) -> None:
         try:
-            index = self._next_index()  # type: ignore[no-untyped-call]
-            while self._skip and self._pos in self._skip:  # consumed before a resume
-                self._skip.discard(self._pos)
-                self._pos += 1
-                index = self._next_index()  # type: ignore[no-untyped-call]
+            index = self._at.draw(self._next_index)
         except StopIteration:
             return
-        self._pos += 1
         d = self._dispatch
         if d.in_order:
             d.put(index)
@@ -216,7 +151,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         sent = d.tasks.sent
         d.put(index)
         if d.tasks.sent != sent:
-            self._positions.append(self._pos - 1)
+            self._at.of_seq.append(self._at.next - 1)
 
     # -- resume state ---------------------------------------------------------------------------
 
@@ -231,8 +166,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         return {
             "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
             "in_epoch": in_epoch,
-            "yielded": (self._num_yielded if d.in_order else self._prefix) if in_epoch else 0,
-            "yielded_extra": sorted(self._done) if in_epoch and not d.in_order else [],
+            "yielded": (self._num_yielded if d.in_order else self._at.prefix) if in_epoch else 0,
+            "yielded_extra": sorted(self._at.done) if in_epoch and not d.in_order else [],
             "base_seed": int(self._base_seed),
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
             "workers": self._progress.rng_states(),
@@ -308,37 +243,21 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             raise RuntimeError(
                 f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
             )
-        if isinstance(msg, P.Ready):
-            if msg.ref != info.ref:
-                raise RuntimeError(
-                    f"worker {wid} answered task {msg.seq} in slot {msg.ref}, "
-                    f"but the task was given {info.ref}"
-                )
-            d.arena.mark_ready(msg.ref)
-            d.answer(info, msg)
-        elif isinstance(msg, P.Failed):
+        if isinstance(msg, P.Ready | P.Failed):
             d.answer(info, msg)
         elif isinstance(msg, P.NeedSlot):
             d.need(info, msg)
         else:  # Exhausted: torch marks the worker unavailable, then tries to send one more task
-            self._exhausted(wid, info)
+            d.retire(wid, info)
+            if not self._persistent_workers:
+                self._sup.retire(wid)
             self._try_put()
-
-    def _exhausted(self, wid: int, info: TaskInfo[Any]) -> None:
-        d = self._dispatch
-        d.drop(info.seq)
-        d.status[wid] = False
-        if not d.in_order:  # its later tasks will never be answered: nothing waits for them
-            for later in [i for i in d.tasks if i.worker_id == wid and i.answer is None]:
-                d.drop(later.seq)
-        if not self._persistent_workers:
-            self._sup.retire(wid)
 
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
         self._progress.consumed(info.worker_id, d.epoch, info.seq)
         if not d.in_order:
-            self._consumed(self._positions[info.seq])
+            self._at.consumed(info.seq)
         d.num_tasks[info.worker_id] -= 1
         self._try_put()
         answer = info.answer
@@ -350,16 +269,6 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if host.export is not None:
             host.export.tick(host.snapshot)
         return host.pinner.pin(batch)
-
-    def _consumed(self, pos: int) -> None:
-        """in_order=False: record that the batch at sampler position ``pos`` was consumed."""
-        if pos != self._prefix:
-            self._done.add(pos)
-            return
-        self._prefix += 1
-        while self._prefix in self._done:
-            self._done.discard(self._prefix)
-            self._prefix += 1
 
     def _fail(self, deaths: list[WorkerDeath]) -> None:
         first = deaths[0]

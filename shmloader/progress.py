@@ -117,3 +117,45 @@ class WorkerProgress:
             "assign": assign,
             "next_worker": next_worker,
         }
+
+
+class SamplerProgress:
+    """Where one epoch's sampler stands: positions drawn, and which batches were consumed.
+
+    A batch's position is its index in the sampler's order. With ``in_order=True`` the consumed
+    batches are always the first ``_num_yielded``; with ``in_order=False`` they are a prefix
+    (``prefix``) plus a set past it (``done``), which is what a saved state records. A resumed
+    epoch starts drawing at ``start`` and passes over the positions in ``consumed_past`` without
+    sending them.
+    """
+
+    __slots__ = ("done", "next", "of_seq", "prefix", "skip")
+
+    def __init__(self, start: int = 0, consumed_past: tuple[int, ...] | list[int] = ()) -> None:
+        self.next = start  # sampler position of the next index drawn
+        self.skip = set(consumed_past)  # consumed before a resume: drawn, never sent
+        self.prefix = start  # in_order=False: positions below it are all consumed ...
+        self.done = set(self.skip)  # ... and these past it
+        self.of_seq: list[int] = []  # in_order=False: task seq -> sampler position
+
+    def draw(self, next_index: Any) -> Any:
+        """The next index to send (``next_index()`` raises StopIteration at the end); its
+        position is ``self.next - 1``."""
+        index = next_index()
+        while self.skip and self.next in self.skip:
+            self.skip.discard(self.next)
+            self.next += 1
+            index = next_index()
+        self.next += 1
+        return index
+
+    def consumed(self, seq: int) -> None:
+        """in_order=False: the batch of task ``seq`` was consumed."""
+        pos = self.of_seq[seq]
+        if pos != self.prefix:
+            self.done.add(pos)
+            return
+        self.prefix += 1
+        while self.prefix in self.done:
+            self.done.discard(self.prefix)
+            self.prefix += 1
