@@ -86,7 +86,10 @@ class Arena:
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
         self.slots_per_slab = slots_per_slab
-        self._cond = threading.Condition(threading.Lock())
+        # The hot paths take the bare lock (``with self._lock``: no Python-level __enter__);
+        # waits and notifies go through the condition built on that same lock.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._slabs: dict[int, Slab] = {}
         self._states: dict[int, list[SlotState]] = {}
         self._gens: dict[int, list[int]] = {}
@@ -121,8 +124,9 @@ class Arena:
                 f"cap max_bytes={self.max_bytes:,}; raise the cap (arena_max_bytes) or make "
                 "batches smaller (batch_size)"
             )
-        with self._cond:
-            self._check_open()
+        with self._lock:
+            if self._closed:
+                self._check_open()
             ref = self._take(need)
             if ref is None and add_slab and self._grow(need):
                 ref = self._take(need)
@@ -241,9 +245,13 @@ class Arena:
         self._transition(ref, SlotState.READY, SlotState.LENT)
 
     def _transition(self, ref: SlotRef, src: SlotState, dst: SlotState) -> None:
-        with self._cond:
-            self._check_open()
-            state = self._state_of(ref)
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            gens = self._gens.get(ref.slab_id)
+            if gens is None or gens[ref.slot] != ref.generation:
+                self._state_of(ref)  # raises StaleSlotError, naming both generations
+            state = self._states[ref.slab_id][ref.slot]
             if state is not src:
                 raise StaleSlotError(
                     f"slot {ref.slot} of slab {ref.slab_id} (generation {ref.generation}) is "
@@ -253,7 +261,7 @@ class Arena:
 
     def release(self, ref: SlotRef) -> bool:
         """Any state -> FREE. False if the ref is stale (a no-op); raises on a double release."""
-        with self._cond:
+        with self._lock:
             gens = self._gens.get(ref.slab_id)
             if gens is None or gens[ref.slot] != ref.generation:
                 return False
