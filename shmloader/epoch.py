@@ -14,7 +14,9 @@ Invariants:
   moments as torch, so the main process's RNG state afterwards is torch's; torch's stock samplers
   take the equivalent fast path of :mod:`shmloader.sampling`.
 - Task sending, worker choice and slot binding are :mod:`shmloader.dispatch`'s; leases are
-  :mod:`shmloader.lease`'s; this module only wires them and turns answers into batches or errors.
+  :mod:`shmloader.lease`'s; starting the workers is :mod:`shmloader.startup`'s and the resume
+  records are :mod:`shmloader.progress`'s; this module only wires them and turns answers into
+  batches or errors.
 - Every slot that reaches the main process leaves it: yielded (then released with its lease),
   released when its batch fails to rebuild, or released at teardown (a finished, dropped or
   failed iterator stops its workers, then queues every slot it holds for release).
