@@ -250,7 +250,7 @@ class Arena:
                 self._check_open()
             gens = self._gens.get(ref.slab_id)
             if gens is None or gens[ref.slot] != ref.generation:
-                self._state_of(ref)  # raises StaleSlotError, naming both generations
+                raise self._stale(ref)
             state = self._states[ref.slab_id][ref.slot]
             if state is not src:
                 raise StaleSlotError(
@@ -284,14 +284,13 @@ class Arena:
                 return SlotState.FREE
             return self._states[ref.slab_id][ref.slot]
 
-    def _state_of(self, ref: SlotRef) -> SlotState:
+    def _stale(self, ref: SlotRef) -> StaleSlotError:
+        """The error for a reference whose generation is not the slot's current one."""
         gens = self._gens.get(ref.slab_id)
-        if gens is None or gens[ref.slot] != ref.generation:
-            raise StaleSlotError(
-                f"stale reference to slot {ref.slot} of slab {ref.slab_id}: generation "
-                f"{ref.generation}, current {None if gens is None else gens[ref.slot]}"
-            )
-        return self._states[ref.slab_id][ref.slot]
+        return StaleSlotError(
+            f"stale reference to slot {ref.slot} of slab {ref.slab_id}: generation "
+            f"{ref.generation}, current {None if gens is None else gens[ref.slot]}"
+        )
 
     def _move(self, slab_id: int, slot: int, dst: SlotState) -> None:
         states = self._states[slab_id]

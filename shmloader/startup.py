@@ -37,7 +37,7 @@ def start_workers(
     loader: torch.utils.data.DataLoader[Any],
     plan: dict[str, Any] | None,
     main_pid: int,
-) -> tuple[Supervisor, RngRing, WorkerProgress]:
+) -> tuple[Supervisor, WorkerProgress]:
     """Start ``it``'s workers, with what a loaded state ``plan`` gives them back (see
     :mod:`shmloader.state`); the RNG ring they publish into lives as long as ``it``."""
     nw: int = it._num_workers
@@ -89,4 +89,4 @@ def start_workers(
         )
         for i in range(nw)
     ]
-    return Supervisor(ctx, configs), rng_ring, progress
+    return Supervisor(ctx, configs), progress
