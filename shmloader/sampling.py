@@ -14,6 +14,10 @@ full pass is requested, even if the remainder is empty. ``BatchSampler`` request
 has a batch or the sampler is exhausted, so "requested" here means: every index of the batch, and
 one past the end for the batch that runs out. Any other sampler (a subclass included) keeps
 torch's own iterator.
+
+Each pass's permutation is drawn on the calling thread alone (:func:`_randperm`): the same
+numbers, without waking torch's OpenMP team, whose idle threads would otherwise spin for several
+milliseconds on cores the workers need.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def _random(sampler: RandomSampler, bs: int, drop_last: bool) -> Iterator[Packed
         last_requested = min(pos + bs, num_samples + 1) - 1
         if drawn <= full and drawn * n <= last_requested:
             while drawn <= full and drawn * n <= last_requested:
-                perm = torch.randperm(n, generator=generator).numpy()
+                perm = _randperm(n, generator)
                 parts.append(perm if drawn < full else perm[: num_samples % n])
                 drawn += 1
             order = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -84,3 +88,23 @@ def _random(sampler: RandomSampler, bs: int, drop_last: bool) -> Iterator[Packed
             return
         yield PackedIndices(order[pos:stop].astype("<i8", copy=False).tobytes())
         pos = stop
+
+
+def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
+    """``torch.randperm(n, generator=generator)`` with one intra-op thread, as an ndarray.
+
+    randperm's only parallel step is the identity fill before its serial shuffle, so the numbers
+    and the generator's state do not depend on the thread count. But with n >= 32768 that fill
+    runs as an OpenMP parallel region, after which each thread of the team busy-waits (libgomp's
+    default spin, about 15 ms) for more work that never comes: once per pass, CPU taken from the
+    workers and counted as the main process's (30 us a batch on ``tools.bench``'s 781-batch
+    ``null`` epochs, on 2 cores). ``torch.set_num_threads`` is thread-local for the OpenMP
+    backend and costs well under a microsecond; the caller's setting is restored."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return torch.randperm(n, generator=generator).numpy()
+    torch.set_num_threads(1)
+    try:
+        return torch.randperm(n, generator=generator).numpy()
+    finally:
+        torch.set_num_threads(threads)
