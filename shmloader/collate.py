@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import torch
@@ -218,9 +218,33 @@ def _collate_tensor_in_slot(
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
 
 
+_INT64: Final = np.dtype(np.int64)
+_PLAIN_INTS: Final = frozenset({int, bool})
+
+
+def _collate_ints(
+    batch: Sequence[int], *, collate_fn_map: dict[Any, Any] | None = None
+) -> torch.Tensor:
+    """torch's rule for a batch led by an ``int`` (``torch.tensor(batch)``), 6-7x faster.
+
+    ``torch.tensor`` infers a type per element: 43 us for 256 labels, a tenth of a ``tabular``
+    batch's collate. For a batch of plain ``int`` and ``bool`` only, ``np.array`` gives the same
+    numbers, and int64 exactly when torch does (not all bools, all within int64). Any other
+    batch (another element type, even an int subclass or a NumPy scalar, whose conversions and
+    warnings differ; all bools; an int beyond int64) goes to torch's own rule, which gives
+    torch's tensor or raises torch's error."""
+    if not {*map(type, batch)} <= _PLAIN_INTS:
+        return torch.tensor(batch)
+    arr = np.array(batch)
+    if arr.dtype != _INT64:  # all bools, or an int beyond int64 (object or uint64)
+        return torch.tensor(batch)
+    return torch.from_numpy(arr)
+
+
 SLOT_COLLATE_FN_MAP: dict[Any, Any] = {
     **default_collate_fn_map,
     torch.Tensor: _collate_tensor_in_slot,
+    int: _collate_ints,
 }
 
 
