@@ -43,9 +43,9 @@ Method
   ``% N-proc x2`` is the honest ceiling.
 - Worker CPU per batch = CPU seconds of the loader's worker processes over the timed loop,
   divided by batches. ``bare`` is ``collate([dataset[i] for i in indices])`` in the main process
-  (median of 50 batches): the part of a worker's time that is the dataset's and the collate's,
-  so ``worker - bare`` is the loader's own overhead per batch (the ``null`` workload shows it
-  alone).
+  (median of 50 batches, indices in shuffled order as the loaders get them): the part of a
+  worker's time that is the dataset's and the collate's, so ``worker - bare`` is the loader's
+  own overhead per batch (the ``null`` workload shows it alone).
 
 Columns are defined in ``tools._loaders``; timing loops, limits and reaping live in
 ``tools._measure``; workloads in ``tools._synthetic``; tables and files in ``tools._report``.
@@ -198,7 +198,7 @@ def bench_workload(
         progress.start(f"{name} | {args.workers}-process limit, 2 buffers each")
         result.nproc2_limit_batches_per_s = n_process_limit(workload, args.workers, buffers=2)
     progress.start(f"{name} | bare fetch+collate")
-    result.bare_us_per_batch = bare_fetch_collate_us(workload)
+    result.bare_us_per_batch = bare_fetch_collate_us(workload, seed=args.seed)
     if workload.device:
         progress.start(f"{name} | H2D limit")
         result.h2d_limit_batches_per_s, _ = h2d_limit(workload, workload.device)
