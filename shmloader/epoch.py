@@ -47,6 +47,7 @@ from shmloader.startup import start_workers
 from shmloader.state import EpochStart, untouched_rngs
 from shmloader.supervisor import Supervisor, WorkerDeath
 
+_ANSWERS = (P.Ready, P.Failed)  # a tuple: `P.Ready | P.Failed` would build a union per frame
 WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still wake it at once)
 
 HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_device) -> host
@@ -245,7 +246,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             raise RuntimeError(
                 f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
             )
-        if isinstance(msg, P.Ready | P.Failed):
+        if isinstance(msg, _ANSWERS):
             d.answer(info, msg)
         elif isinstance(msg, P.NeedSlot):
             d.need(info, msg)

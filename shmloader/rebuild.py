@@ -2,7 +2,8 @@
 
 Every leaf (tensor or NumPy array) is a view of one per-batch NumPy array over the slot, ``arr``
 (``np.frombuffer`` of the slab at the slot's offset). NumPy gives ``arr`` a fresh base
-``memoryview``, and every array sliced from ``arr`` and every tensor made from such an array with
+``memoryview``, and every array viewing ``arr`` (sliced from it, or built over it with
+``np.ndarray(shape, dtype, arr, offset)``) and every tensor made from such an array with
 ``torch.from_numpy`` keeps that memoryview alive (slices, ``.view()``, ``.numpy()``,
 ``as_strided``, a collate's NumPy arrays included). So ``arr.base`` lives exactly as long as any
 view of the batch: it is what :mod:`shmloader.lease` watches.
@@ -49,16 +50,26 @@ def make_leaf(arr: np.ndarray, spec: ArraySpec, kind: int) -> Any:
     """Leaf ``spec`` of the batch in ``arr``, as a tensor (``TENSOR``) or an ndarray view."""
     name, size, numpy_ok = DTYPES[spec.dtype]
     nbytes = math.prod(spec.shape) * size
-    raw = arr[spec.offset : spec.offset + nbytes]
     if kind == TENSOR:
         if nbytes == 0:
             return torch.empty(spec.shape, dtype=TORCH_DTYPE[spec.dtype])
         if numpy_ok:
-            return torch.from_numpy(raw.view(name).reshape(spec.shape))
+            return torch.from_numpy(_view(arr, spec.shape, np.dtype(name), spec.offset))
+        raw = arr[spec.offset : spec.offset + nbytes]
         return torch.from_numpy(raw).view(TORCH_DTYPE[spec.dtype]).view(spec.shape)
     if kind == NDARRAY:
-        return raw.view(name).reshape(spec.shape)
+        if nbytes == 0:
+            return arr[spec.offset : spec.offset].view(name).reshape(spec.shape)
+        return _view(arr, spec.shape, np.dtype(name), spec.offset)
     raise pickle.UnpicklingError(f"unknown leaf kind {kind} in batch payload")
+
+
+def _view(arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, offset: int) -> np.ndarray:
+    """The C-contiguous ``shape`` x ``dtype`` view of ``arr`` at byte ``offset``: one
+    constructor call (0.3 us) instead of slice, ``view`` and ``reshape`` (0.8 us). Its base is
+    ``arr``, so it keeps ``arr.base`` alive like any slice. Raises if it would pass ``arr``'s
+    end."""
+    return np.ndarray(shape, dtype, arr, offset)
 
 
 class Rebuilder:
@@ -118,7 +129,9 @@ def _compile(
     """A function rebuilding batches laid out like ``desc`` whose structure is ``batch``'s."""
     if -1 in kinds:
         return None  # an array nobody references: keep the general path
-    names: dict[str, Any] = {"from_numpy": torch.from_numpy, "empty": torch.empty}
+    names: dict[str, Any] = {
+        "from_numpy": torch.from_numpy, "empty": torch.empty, "ndarray": np.ndarray
+    }
     lines = ["def template(arr):"]
     by_id = {id(leaf): i for i, leaf in enumerate(leaves)}
     for i, (spec, kind) in enumerate(zip(desc.arrays, kinds, strict=True)):
@@ -128,14 +141,17 @@ def _compile(
         names[f"D{i}"] = np.dtype(name) if numpy_ok else None
         names[f"T{i}"] = TORCH_DTYPE.get(spec.dtype)
         raw = f"arr[{spec.offset}:{spec.offset + nbytes}]"
+        view = f"ndarray(S{i}, D{i}, arr, {spec.offset})"  # as _view
         if kind == TENSOR and nbytes == 0:
             expr = f"empty(S{i}, dtype=T{i})"
         elif kind == TENSOR and numpy_ok:
-            expr = f"from_numpy({raw}.view(D{i}).reshape(S{i}))"
+            expr = f"from_numpy({view})"
         elif kind == TENSOR:
             expr = f"from_numpy({raw}).view(T{i}).view(S{i})"
-        else:
+        elif nbytes == 0:
             expr = f"{raw}.view(D{i}).reshape(S{i})"
+        else:
+            expr = view
         lines.append(f"    l{i} = {expr}")
     seen: set[int] = set()
     try:

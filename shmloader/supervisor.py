@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing.process
 import os
@@ -121,11 +120,13 @@ class Supervisor:
     def send(self, worker_id: int, msg: P.ToWorker) -> None:
         """Send ``msg``; a broken pipe means the worker died, which :meth:`wait` reports."""
         frame = P.encode(msg)
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        try:  # (not contextlib.suppress: that costs 0.5 us a task)
             if len(frame) <= SMALL_FRAME:  # one write, the header in front (as send_bytes does)
                 os.write(self._wfds[worker_id], HEADER.pack(len(frame)) + frame)
             else:
                 self.conns[worker_id].send_bytes(frame)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def retire(self, worker_id: int) -> None:
         """Tell a worker to exit and stop watching it."""
