@@ -99,12 +99,25 @@ def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
     default spin, about 15 ms) for more work that never comes: once per pass, CPU taken from the
     workers and counted as the main process's (30 us a batch on ``tools.bench``'s 781-batch
     ``null`` epochs, on 2 cores). ``torch.set_num_threads`` is thread-local for the OpenMP
-    backend and costs well under a microsecond; the caller's setting is restored."""
+    backend and costs well under a microsecond; the caller's setting is restored. Other
+    backends are left alone: torch's native pool sleeps instead of spinning, and it warns when
+    its size changes after parallel work has started."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or not _openmp():
         return torch.randperm(n, generator=generator).numpy()
     torch.set_num_threads(1)
     try:
         return torch.randperm(n, generator=generator).numpy()
     finally:
         torch.set_num_threads(threads)
+
+
+_OPENMP: bool | None = None
+
+
+def _openmp() -> bool:
+    """Whether torch's intra-op parallel backend is OpenMP (read once: 12 us)."""
+    global _OPENMP
+    if _OPENMP is None:
+        _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return _OPENMP

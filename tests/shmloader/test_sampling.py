@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler
 
+from shmloader import sampling
 from shmloader.sampling import fast_batches
 
 BIG = 100_000  # above randperm's parallel grain (32768): its identity fill runs in parallel
@@ -41,6 +42,8 @@ def test_big_random_permutations_match_torch_with_several_threads(two_threads, d
 
 
 def test_the_permutation_is_drawn_on_one_thread_and_the_setting_restored(two_threads, monkeypatch):
+    if not sampling._openmp():
+        pytest.skip("torch's parallel backend here is not OpenMP (the pinned CPU build's is)")
     seen: list[int] = []
     real = torch.randperm
 
@@ -58,6 +61,8 @@ def test_the_permutation_is_drawn_on_one_thread_and_the_setting_restored(two_thr
 
 
 def test_the_setting_is_restored_when_the_draw_fails(two_threads, monkeypatch):
+    monkeypatch.setattr(sampling, "_OPENMP", True)  # the path that changes the setting
+
     def failing(*args, **kwargs):
         raise RuntimeError("randperm failed")
 
@@ -67,3 +72,20 @@ def test_the_setting_is_restored_when_the_draw_fails(two_threads, monkeypatch):
     with pytest.raises(RuntimeError, match="randperm failed"):
         next(fast)
     assert torch.get_num_threads() == 2
+
+
+def test_other_parallel_backends_draw_with_the_callers_threads(two_threads, monkeypatch):
+    # torch's native pool does not spin, and warns when resized after parallel work started.
+    seen: list[int] = []
+    real = torch.randperm
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", recording)
+    monkeypatch.setattr(sampling, "_OPENMP", False)
+    fast = fast_batches(_sampler(0, 50_000, False)[0])
+    assert fast is not None
+    assert len(list(fast)) == 2
+    assert seen == [2, 2]
