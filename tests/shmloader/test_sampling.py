@@ -28,6 +28,23 @@ def _sampler(seed: int, bs: int, drop_last: bool) -> tuple[BatchSampler, torch.G
     return BatchSampler(RandomSampler(range(BIG), generator=g), bs, drop_last), g
 
 
+def _threads_of_each_draw(monkeypatch) -> list[int]:
+    """Run a 50,000-index sampler (2 batches) and return torch's intra-op thread count at each
+    randperm it draws: the pass, then the (empty) remainder drawn past its end."""
+    seen: list[int] = []
+    real = torch.randperm
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", recording)
+    fast = fast_batches(_sampler(0, 50_000, False)[0])
+    assert fast is not None
+    assert len(list(fast)) == 2
+    return seen
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_big_random_permutations_match_torch_with_several_threads(two_threads, drop_last):
     theirs, g_theirs = _sampler(3, 4096, drop_last)
@@ -44,19 +61,8 @@ def test_big_random_permutations_match_torch_with_several_threads(two_threads, d
 def test_the_permutation_is_drawn_on_one_thread_and_the_setting_restored(two_threads, monkeypatch):
     if not sampling._openmp():
         pytest.skip("torch's parallel backend here is not OpenMP (the pinned CPU build's is)")
-    seen: list[int] = []
-    real = torch.randperm
-
-    def recording(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "randperm", recording)
-    ours, _ = _sampler(0, 50_000, False)
-    fast = fast_batches(ours)
-    assert fast is not None
-    assert len(list(fast)) == 2
-    assert seen == [1, 1]  # the pass, then the (empty) remainder drawn past its end
+    seen = _threads_of_each_draw(monkeypatch)
+    assert seen == [1, 1]
     assert torch.get_num_threads() == 2
 
 
@@ -76,16 +82,5 @@ def test_the_setting_is_restored_when_the_draw_fails(two_threads, monkeypatch):
 
 def test_other_parallel_backends_draw_with_the_callers_threads(two_threads, monkeypatch):
     # torch's native pool does not spin, and warns when resized after parallel work started.
-    seen: list[int] = []
-    real = torch.randperm
-
-    def recording(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "randperm", recording)
     monkeypatch.setattr(sampling, "_OPENMP", False)
-    fast = fast_batches(_sampler(0, 50_000, False)[0])
-    assert fast is not None
-    assert len(list(fast)) == 2
-    assert seen == [2, 2]
+    assert _threads_of_each_draw(monkeypatch) == [2, 2]
