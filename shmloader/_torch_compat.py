@@ -30,6 +30,12 @@ def profiler_enabled() -> bool:
     return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
 
+def torch_function_mode_active() -> bool:
+    """Whether a torch function mode is on (``torch.set_default_device``, ``with
+    torch.device(...)``, or a user's mode): one may redirect what ``torch.tensor`` makes."""
+    return bool(torch._C._len_torch_function_stack())
+
+
 def set_worker_info(info: WorkerInfo | None) -> None:
     """Make ``torch.utils.data.get_worker_info()`` return ``info`` in this process."""
     torch_data_utils.worker._worker_info = info
@@ -79,5 +85,6 @@ __all__ = [
     "profiler_enabled",
     "default_collate_fn_map",
     "set_worker_info",
+    "torch_function_mode_active",
     "wrap_current_exception",
 ]

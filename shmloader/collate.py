@@ -31,7 +31,12 @@ import numpy as np
 import torch
 
 from arena import SlotWriter
-from shmloader._torch_compat import collate, collate_tensor_fn, default_collate_fn_map
+from shmloader._torch_compat import (
+    collate,
+    collate_tensor_fn,
+    default_collate_fn_map,
+    torch_function_mode_active,
+)
 from shmloader.dtypes import CODE_OF, NUMPY_DTYPE
 
 _session: SlotSession | None = None
@@ -231,9 +236,10 @@ def _collate_ints(
     batch's collate. For a batch of plain ``int`` and ``bool`` only, ``np.array`` gives the same
     numbers, and int64 exactly when torch does (not all bools, all within int64). Any other
     batch (another element type, even an int subclass or a NumPy scalar, whose conversions and
-    warnings differ; all bools; an int beyond int64) goes to torch's own rule, which gives
-    torch's tensor or raises torch's error."""
-    if not {*map(type, batch)} <= _PLAIN_INTS:
+    warnings differ; all bools; an int beyond int64), and any batch while a torch function mode
+    is on (a default device, which ``torch.tensor`` follows and ``torch.from_numpy`` does not),
+    goes to torch's own rule, which gives torch's tensor or raises torch's error."""
+    if torch_function_mode_active() or not {*map(type, batch)} <= _PLAIN_INTS:
         return torch.tensor(batch)
     arr = np.array(batch)
     if arr.dtype != _INT64:  # all bools, or an int beyond int64 (object or uint64)

@@ -157,3 +157,15 @@ def test_int_led_batches_collate_to_torchs_tensor_or_error(arena, samples):
         _assert_same(got[1], expected[1])
     else:
         assert got == expected
+
+
+def test_int_labels_follow_a_default_device_as_torch_does(arena):
+    # torch.tensor follows torch.set_default_device / `with torch.device(...)`; np.array does not.
+    ref = arena.acquire(1 << 16)
+    with torch.device("meta"):
+        expected = torch.utils.data.default_collate([1, 2, 3])
+        with SlotSession(arena.slot_buffer(ref)):
+            got = slot_default_collate([1, 2, 3])
+    assert expected.device.type == "meta"
+    assert got.device == expected.device and got.dtype == expected.dtype
+    assert got.shape == expected.shape
