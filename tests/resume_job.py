@@ -1,9 +1,11 @@
-"""A training-like job for the resume tests, run as ``python -m tests.resume_job SPEC OUT``.
+"""A training-like job for the resume tests, run as ``python -c "from tests.resume_job import main;
+main()" SPEC OUT``.
 
 SPEC is JSON: the loader's settings, ``epochs``, ``mode`` (``"save"``: run every epoch and save
 the loader's state after ``save_after`` batches; ``"resume"``: load the state from ``state`` in
 this fresh process, whose global RNGs are first scrambled, and run to the end). OUT receives
-``torch.save({"batches": [...], "state": ...})``: every batch yielded, as plain tensors.
+``torch.save({"batches": [...]})``: every batch yielded, as plain tensors. The tests run the
+``"save"`` job in their own process (:func:`run`) and only the resume in a fresh one.
 """
 
 from __future__ import annotations
@@ -122,12 +124,10 @@ def make_loader(spec: dict[str, Any]) -> DataLoader[Any]:
     return DataLoader(ds, batch_size=bs, shuffle=False, **kw)
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    out = sys.argv[2]
+def run(spec: dict[str, Any]) -> list[torch.Tensor]:
+    """Run the job of ``spec`` in this process; return every batch yielded, as plain tensors."""
     loader = make_loader(spec)
     batches: list[torch.Tensor] = []
-    state = None
     first = 0
     if spec["mode"] == "resume":
         torch.manual_seed(12345)  # a fresh process's global RNGs hold anything
@@ -140,9 +140,13 @@ def main() -> None:
         for batch in loader:
             batches.append(batch.clone())
             if spec["mode"] == "save" and len(batches) == spec["save_after"]:
-                state = loader.state_dict()
-                torch.save(state, spec["state"])
-    torch.save({"batches": batches}, out)
+                torch.save(loader.state_dict(), spec["state"])
+    return batches
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.save({"batches": run(spec)}, sys.argv[2])
 
 
 if __name__ == "__main__":

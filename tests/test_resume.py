@@ -1,26 +1,48 @@
 """Exact resume: save a loader's state after k batches in one process, resume it in another,
-and compare the batches with the uninterrupted run's, bit for bit (``tests/resume_job.py``)."""
+and compare the batches with the uninterrupted run's, bit for bit (``tests/resume_job.py``).
+
+The uninterrupted run that saves the state runs in the test's own process (its global RNGs
+restored afterwards); the resume runs in a fresh interpreter, whose RNGs it scrambles first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from tests.resume_job import make_loader
+from tests.resume_job import make_loader, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@contextlib.contextmanager
+def _own_rngs() -> Iterator[None]:
+    """Leave the global RNGs of torch, ``random`` and NumPy as they were before the block."""
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
 def _run(spec: dict[str, Any], out: Path) -> list[torch.Tensor]:
     subprocess.run(
-        [sys.executable, "-m", "tests.resume_job", json.dumps(spec), str(out)],
+        # Not ``-m tests.resume_job``: its classes would be ``__main__``'s, and a state saved
+        # with ``tests.resume_job.StatefulSampler`` is rightly refused by a ``__main__`` one.
+        [sys.executable, "-c", "from tests.resume_job import main; main()", json.dumps(spec),
+         str(out)],
         cwd=ROOT, check=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     return torch.load(out, weights_only=True)["batches"]  # type: ignore[no-any-return]
@@ -31,7 +53,8 @@ def _saved_and_resumed(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     state = str(tmp_path / "state.pt")
     k = spec["save_after"]
-    full = _run({**spec, "mode": "save", "state": state}, tmp_path / "full.pt")
+    with _own_rngs():
+        full = run({**spec, "mode": "save", "state": state})
     resumed = _run({**spec, "mode": "resume", "state": state}, tmp_path / "resumed.pt")
     return full[k:], resumed
 
