@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ def _saved_and_resumed(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     state = str(tmp_path / "state.pt")
     k = spec["save_after"]
-    with _own_rngs():
+    with _own_rngs(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # as PYTHONWARNINGS=ignore does for the resume
         full = run({**spec, "mode": "save", "state": state})
     resumed = _run({**spec, "mode": "resume", "state": state}, tmp_path / "resumed.pt")
     return full[k:], resumed
