@@ -22,6 +22,7 @@ milliseconds on cores the workers need.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -112,12 +113,7 @@ def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
         torch.set_num_threads(threads)
 
 
-_OPENMP: bool | None = None
-
-
+@functools.cache
 def _openmp() -> bool:
     """Whether torch's intra-op parallel backend is OpenMP (read once: 12 us)."""
-    global _OPENMP
-    if _OPENMP is None:
-        _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-    return _OPENMP
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()

@@ -67,7 +67,7 @@ def test_the_permutation_is_drawn_on_one_thread_and_the_setting_restored(two_thr
 
 
 def test_the_setting_is_restored_when_the_draw_fails(two_threads, monkeypatch):
-    monkeypatch.setattr(sampling, "_OPENMP", True)  # the path that changes the setting
+    monkeypatch.setattr(sampling, "_openmp", lambda: True)  # the path that changes the setting
 
     def failing(*args, **kwargs):
         raise RuntimeError("randperm failed")
@@ -82,5 +82,5 @@ def test_the_setting_is_restored_when_the_draw_fails(two_threads, monkeypatch):
 
 def test_other_parallel_backends_draw_with_the_callers_threads(two_threads, monkeypatch):
     # torch's native pool does not spin, and warns when resized after parallel work started.
-    monkeypatch.setattr(sampling, "_OPENMP", False)
+    monkeypatch.setattr(sampling, "_openmp", lambda: False)
     assert _threads_of_each_draw(monkeypatch) == [2, 2]
