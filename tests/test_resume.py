@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
 import warnings
@@ -17,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
+from shmloader import rngstate
 from tests.resume_job import make_loader, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,13 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def _own_rngs() -> Iterator[None]:
     """Leave the global RNGs of torch, ``random`` and NumPy as they were before the block."""
-    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    saved = rngstate.capture()
     try:
         yield
     finally:
-        torch.set_rng_state(saved[0])
-        random.setstate(saved[1])
-        np.random.set_state(saved[2])
+        rngstate.restore(saved)
 
 
 def _run(spec: dict[str, Any], out: Path) -> list[torch.Tensor]:
