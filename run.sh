@@ -3,8 +3,9 @@
 #   ./run.sh bench [ARGS]  - create/reuse .venv, run the side-by-side benchmark against torch
 #   ./run.sh test  [ARGS]  - create/reuse .venv, install the test extra, run ruff, mypy and pytest
 # The virtual environment lives in .venv (override with SHMLOADER_VENV); it is (re)installed when
-# setup.cfg or this script changes. torch is pinned here (CPU build) so a fresh machine does not pull
-# a multi-GB CUDA wheel; setup.cfg keeps a range for real users.
+# setup.cfg, setup.py, the C extension or this script changes (the install compiles
+# arena/_stream.c). torch is pinned here (CPU build) so a fresh machine does not pull a multi-GB
+# CUDA wheel; setup.cfg keeps a range for real users.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -19,7 +20,7 @@ ensure_venv() {
   fi
   local stamp="$VENV/.shmloader-installed-$extras"
   local want
-  want="$(cat setup.cfg run.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN"
+  want="$(cat setup.cfg setup.py arena/_stream.c run.sh | sha256sum | cut -d' ' -f1) $TORCH_PIN"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     "$VENV/bin/python" -m pip install --quiet "$TORCH_PIN"

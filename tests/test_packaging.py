@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from arena import stream
 from tools import _cli
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("arena", "shmloader", "tools", "setup.cfg", "pyproject.toml", "README.md")
+SOURCES = ("arena", "shmloader", "tools", "setup.cfg", "setup.py", "pyproject.toml", "README.md")
 
 
 def _setup_cfg() -> configparser.ConfigParser:
@@ -67,7 +68,8 @@ def test_the_wheel_holds_arena_shmloader_and_shmloader_tools_and_both_commands(t
     src.mkdir()
     for name in SOURCES:
         if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(REPO / name, src / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         else:
             shutil.copy(REPO / name, src / name)
     subprocess.run(
@@ -83,6 +85,9 @@ def test_the_wheel_holds_arena_shmloader_and_shmloader_tools_and_both_commands(t
         scripts = z.read(entry_points).decode()
     assert tops == {"arena", "shmloader", "shmloader_tools"}
     assert "shmloader_tools/memprof.py" in names and "shmloader_tools/_memjob.py" in names
+    assert "arena/_stream.pyi" in names  # mypy's view of the extension, for users' type checks
+    if stream.AVAILABLE:  # built here, so the wheel's own build must have built it too
+        assert any(n.startswith("arena/_stream.") and n.endswith(".so") for n in names), names
     for command in _cli.COMMANDS.values():
         assert f"{command} = " in scripts
 
