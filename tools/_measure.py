@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from arena.stream import gather
+from shmloader.collate import STREAM_MIN_BYTES, STREAMING
+
 try:
     import psutil
 except ModuleNotFoundError as exc:  # the one package the tools add to shmloader's requirements
@@ -149,17 +152,22 @@ def single_copy_limit(workload: Workload) -> tuple[float, int]:
     return _median_rate(copy), out.nbytes
 
 
-def _stack_for(seconds: float, workload: Workload, buffers: int, start: Any, out_q: Any) -> None:
+def _stack_for(seconds: float, workload: Workload, buffers: int, stream: bool, start: Any,
+               out_q: Any) -> None:
     """One process of :func:`n_process_limit`: stack batches into ``buffers`` private buffers in
-    turn for ``seconds``."""
+    turn for ``seconds`` (with streaming stores if ``stream``)."""
     torch.set_num_threads(1)
     samples = _batch_samples(workload)
     shape = [max(t.shape[d] for t in samples) for d in range(samples[0].dim())]
     outs = [torch.zeros((len(samples), *shape), dtype=samples[0].dtype) for _ in range(buffers)]
     same = all(t.shape == samples[0].shape for t in samples)
+    held = [t.contiguous() for t in samples]  # alive for as long as their addresses are used
+    size, srcs = samples[0].nbytes, [t.data_ptr() for t in held]
 
     def copy(out: torch.Tensor) -> None:
-        if same:
+        if same and stream:
+            gather(out.data_ptr(), size, srcs)
+        elif same:
             torch.stack(samples, out=out)
         else:
             out.zero_()
@@ -174,8 +182,19 @@ def _stack_for(seconds: float, workload: Workload, buffers: int, start: Any, out
     out_q.put(n / elapsed)
 
 
+def streams(workload: Workload) -> bool:
+    """Whether shmloader's default collate streams this workload's batch (same-shape samples
+    whose stack is at least ``STREAM_MIN_BYTES``, on an install with streaming stores)."""
+    if not STREAMING or workload.collate_fn is not None:
+        return False
+    samples = _batch_samples(workload)
+    same = all(t.shape == samples[0].shape and t.is_contiguous() for t in samples)
+    return same and sum(t.nbytes for t in samples) >= STREAM_MIN_BYTES
+
+
 def n_process_limit(
-    workload: Workload, processes: int, seconds: float = 1.0, buffers: int = 1
+    workload: Workload, processes: int, seconds: float = 1.0, buffers: int = 1,
+    stream: bool = False,
 ) -> float:
     """Aggregate batches/s of ``processes`` processes each stacking the workload's batch into
     private buffers at once: what the machine's cores and memory allow that many copiers.
@@ -183,13 +202,15 @@ def n_process_limit(
     ``buffers=1`` reuses one buffer (the issue's definition of the limit); ``buffers=2``
     alternates between two, as any loader must (a worker fills one batch while the consumer
     holds another). Where ``processes`` buffers fit the last-level cache and twice as many do not
-    (14 x 25 MB against a 300 MB L3, say) the first is a cache rate, the second a memory rate."""
+    (14 x 25 MB against a 300 MB L3, say) the first is a cache rate, the second a memory rate.
+    ``stream=True`` copies with streaming stores (``arena.stream.gather``), as shmloader's
+    collate does for a batch where :func:`streams` holds; ``torch.stack`` otherwise."""
     if processes < 1:
         return 0.0
     ctx = torch.multiprocessing.get_context("fork")
     start, out_q = ctx.Barrier(processes + 1), ctx.Queue()
     procs = [
-        ctx.Process(target=_stack_for, args=(seconds, workload, buffers, start, out_q),
+        ctx.Process(target=_stack_for, args=(seconds, workload, buffers, stream, start, out_q),
                     daemon=True)
         for _ in range(processes)
     ]

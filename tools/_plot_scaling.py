@@ -116,6 +116,8 @@ def render(json_path: Path, img_dir: Path) -> list[Path]:
              {"color": "black", "linestyle": ":", "marker": "x"}),
             ("nproc2_limit_batches_per_s", "N-process limit, 2 buffers each",
              {"color": "black", "linestyle": "--", "marker": "+"}),
+            ("nproc_stream_limit_batches_per_s", "the same, streaming stores",
+             {"color": "tab:red", "linestyle": "--", "marker": "."}),
             ("main_ceiling_batches_per_s", "main-process ceiling (1 / CPU per batch)",
              {"color": "grey", "linestyle": "-."}),
         )  # fmt: skip

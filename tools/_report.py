@@ -12,6 +12,8 @@ summary from them, so the table, the JSON and the CSV can never disagree:
 - ``pct_nproc_limit`` against the N-process limit (N copiers at once, N = workers, one buffer
                      each); ``pct_nproc2_limit`` against the same with two buffers each, the
                      most a loader (which must fill one batch while another is held) can reach
+                     with torch.stack's copy; ``pct_nproc_stream_limit`` against the same with
+                     streaming stores, the copy shmloader's collate uses for such a batch
 - ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
 - ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
                      single-copy limit
@@ -30,8 +32,8 @@ from typing import Any, TextIO
 
 PROGRESS_INTERVAL_S = 0.1  # at most this often the TTY progress line is redrawn
 SUMMARY_KEYS = ("batches_per_s", "gb_per_s", "x_torch", "x_torch0", "pct_limit",
-                "pct_nproc_limit", "pct_nproc2_limit", "cpu_us_per_batch", "worker_us_per_batch",
-                "worker_overhead_us", "peak_pss_mb")
+                "pct_nproc_limit", "pct_nproc2_limit", "pct_nproc_stream_limit",
+                "cpu_us_per_batch", "worker_us_per_batch", "worker_overhead_us", "peak_pss_mb")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class WorkloadResult:
     h2d_limit_batches_per_s: float = 0.0  # device workloads: pinned batch copy_ + synchronize
     nproc_limit_batches_per_s: float = 0.0  # N processes stacking privately at once
     nproc2_limit_batches_per_s: float = 0.0  # the same, each alternating between 2 buffers
+    # the same as nproc2 with streaming stores (only where shmloader streams the batch)
+    nproc_stream_limit_batches_per_s: float = 0.0
     nproc: int = 0
     bare_us_per_batch: float = 0.0  # collate([ds[i] ...]) in one process
     loaders: list[LoaderResult] = field(default_factory=list)
@@ -125,7 +129,7 @@ class WorkloadResult:
             return result.batches_per_s / other.batches_per_s
 
         limit, nproc = self.limit_batches_per_s, self.nproc_limit_batches_per_s
-        nproc2 = self.nproc2_limit_batches_per_s
+        nproc2, nstream = self.nproc2_limit_batches_per_s, self.nproc_stream_limit_batches_per_s
         if not result.seconds:  # interrupted before its first repeat finished
             return dict.fromkeys(SUMMARY_KEYS)
         return {
@@ -136,6 +140,7 @@ class WorkloadResult:
             "pct_limit": 100 * result.batches_per_s / limit if limit else None,
             "pct_nproc_limit": 100 * result.batches_per_s / nproc if nproc else None,
             "pct_nproc2_limit": 100 * result.batches_per_s / nproc2 if nproc2 else None,
+            "pct_nproc_stream_limit": 100 * result.batches_per_s / nstream if nstream else None,
             "cpu_us_per_batch": result.cpu_us,
             "worker_us_per_batch": result.worker_us if result.num_workers else None,
             "worker_overhead_us": (
@@ -198,32 +203,39 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def format_table(results: list[WorkloadResult]) -> str:
     """The human table: one block per workload, the single-copy limit first, then each loader."""
     header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
-              "% N-proc", "% N-proc x2", "main CPU us/batch", "worker CPU us/batch", "peak PSS MB")
+              "% N-proc", "% N-proc x2", "% N-proc stream", "main CPU us/batch",
+              "worker CPU us/batch", "peak PSS MB")
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
+
+    def fixed(wr: WorkloadResult, label: str, rate: float, at: str | None = None,
+              worker: str = "") -> tuple[str, ...]:
+        """A limit's row: its rate and GB/s, and 100% in its own column ``at``."""
+        cells = dict.fromkeys(header, "")
+        gb = f"{wr.limit_bytes_per_batch * rate / 1e9:.2f}" if rate else ""
+        cells.update({"workload": wr.workload, "loader": label, "GB/s": gb,
+                      "batches/s": f"{rate:,.1f}" if rate else "", "worker CPU us/batch": worker})
+        if at:
+            cells[at] = "100%"
+        return tuple(cells.values())
+
     for wr in results:
         if wr.skipped:
             notes.append(f"{wr.workload}: skipped: {wr.skipped}")
             continue
-        limit_gb = wr.limit_bytes_per_batch * wr.limit_batches_per_s / 1e9
-        rows.append((wr.workload, "single-copy", f"{wr.limit_batches_per_s:,.1f}",
-                     f"{limit_gb:.2f}", "", "", "100%", "", "", "", "", ""))
-        if wr.nproc_limit_batches_per_s:
-            n_gb = wr.limit_bytes_per_batch * wr.nproc_limit_batches_per_s / 1e9
-            rows.append((wr.workload, f"{wr.nproc}-process", f"{wr.nproc_limit_batches_per_s:,.1f}",
-                         f"{n_gb:.2f}", "", "", "", "100%", "", "", "", ""))
-        if wr.nproc2_limit_batches_per_s:
-            n2_gb = wr.limit_bytes_per_batch * wr.nproc2_limit_batches_per_s / 1e9
-            rows.append((wr.workload, f"{wr.nproc}-process x2 buffers",
-                         f"{wr.nproc2_limit_batches_per_s:,.1f}", f"{n2_gb:.2f}",
-                         "", "", "", "", "100%", "", "", ""))
+        n = wr.nproc
+        rows.append(fixed(wr, "single-copy", wr.limit_batches_per_s, "% limit"))
+        for label, rate, at in (
+            (f"{n}-process", wr.nproc_limit_batches_per_s, "% N-proc"),
+            (f"{n}-process x2 buffers", wr.nproc2_limit_batches_per_s, "% N-proc x2"),
+            (f"{n}-process x2 streaming", wr.nproc_stream_limit_batches_per_s, "% N-proc stream"),
+        ):
+            if rate:
+                rows.append(fixed(wr, label, rate, at))
         if wr.bare_us_per_batch:
-            rows.append((wr.workload, "bare fetch+collate", "", "", "", "", "", "", "", "",
-                         f"{wr.bare_us_per_batch:,.0f}", ""))
+            rows.append(fixed(wr, "bare fetch+collate", 0.0, worker=f"{wr.bare_us_per_batch:,.0f}"))
         if wr.h2d_limit_batches_per_s:
-            h2d_gb = wr.limit_bytes_per_batch * wr.h2d_limit_batches_per_s / 1e9
-            rows.append((wr.workload, "h2d-copy", f"{wr.h2d_limit_batches_per_s:,.1f}",
-                         f"{h2d_gb:.2f}", "", "", "", "", "", "", "", ""))
+            rows.append(fixed(wr, "h2d-copy", wr.h2d_limit_batches_per_s))
         for lr in wr.loaders:
             s = wr.summary(lr)
             rows.append((wr.workload, f"{lr.loader} ({lr.num_workers}w)",
@@ -231,6 +243,7 @@ def format_table(results: list[WorkloadResult]) -> str:
                          _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"),
                          _fmt(s["pct_limit"], ".1f", "%"), _fmt(s["pct_nproc_limit"], ".1f", "%"),
                          _fmt(s["pct_nproc2_limit"], ".1f", "%"),
+                         _fmt(s["pct_nproc_stream_limit"], ".1f", "%"),
                          _fmt(s["cpu_us_per_batch"], ",.0f"),
                          _fmt(s["worker_us_per_batch"], ",.0f"), _fmt(s["peak_pss_mb"], ",.0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

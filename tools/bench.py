@@ -40,7 +40,10 @@ Method
   ``N-process x2 buffers`` is the same with each process alternating between two buffers, as a
   loader must (one batch filled while the consumer holds another); where N buffers fit the
   last-level cache and 2N do not, the one-buffer limit is a cache rate no loader can reach, and
-  ``% N-proc x2`` is the honest ceiling.
+  ``% N-proc x2`` is the honest ceiling for ``torch.stack``'s copy. Where shmloader streams the
+  batch (``shmloader.collate.STREAM_MIN_BYTES`` or more, same-shape samples) an ``N-process x2
+  streaming`` row gives the same with streaming stores, the copy shmloader actually makes:
+  ``% N-proc stream`` is its ceiling (``SHMLOADER_STREAMING=0`` turns streaming off).
 - Worker CPU per batch = CPU seconds of the loader's worker processes over the timed loop,
   divided by batches. ``bare`` is ``collate([dataset[i] for i in indices])`` in the main process
   (median of 50 batches, indices in shuffled order as the loaders get them): the part of a
@@ -93,6 +96,7 @@ from ._measure import (
     positive_int,
     reap,
     single_copy_limit,
+    streams,
     to_device,
     touch,
 )
@@ -197,6 +201,10 @@ def bench_workload(
         result.nproc = args.workers
         progress.start(f"{name} | {args.workers}-process limit, 2 buffers each")
         result.nproc2_limit_batches_per_s = n_process_limit(workload, args.workers, buffers=2)
+        if streams(workload):
+            progress.start(f"{name} | {args.workers}-process limit, 2 buffers, streaming")
+            result.nproc_stream_limit_batches_per_s = n_process_limit(
+                workload, args.workers, buffers=2, stream=True)
     progress.start(f"{name} | bare fetch+collate")
     result.bare_us_per_batch = bare_fetch_collate_us(workload, seed=args.seed)
     if workload.device:

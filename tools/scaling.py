@@ -66,6 +66,7 @@ from ._measure import (
     positive_int,
     reap,
     single_copy_limit,
+    streams,
 )
 from ._report import LoaderResult, Progress, RunSample, WorkloadResult
 from ._synthetic import BlobPoolDataset, Workload
@@ -117,6 +118,7 @@ class Point:
                 "limit_batches_per_s": res.limit_batches_per_s, "limit_gb_per_s": limit_gb,
                 "nproc_limit_batches_per_s": res.nproc_limit_batches_per_s or None,
                 "nproc2_limit_batches_per_s": res.nproc2_limit_batches_per_s or None,
+                "nproc_stream_limit_batches_per_s": res.nproc_stream_limit_batches_per_s or None,
                 "main_ceiling_batches_per_s": self.main_ceiling(),
                 "loaders": loaders}
 
@@ -184,6 +186,10 @@ def measure(point: Point, args: argparse.Namespace, progress: Progress) -> None:
         res.nproc_limit_batches_per_s = n_process_limit(blob, point.workers)
         progress.start(f"{name} | {point.workers}-process limit, 2 buffers each")
         res.nproc2_limit_batches_per_s = n_process_limit(blob, point.workers, buffers=2)
+        if streams(blob):
+            progress.start(f"{name} | {point.workers}-process limit, 2 buffers, streaming")
+            res.nproc_stream_limit_batches_per_s = n_process_limit(
+                blob, point.workers, buffers=2, stream=True)
         res.nproc = point.workers
     point.warmup_batches = point.prefetch_factor * point.workers + 2
     rate = min(MAX_RATE, 2 * point.workers * res.limit_batches_per_s)
@@ -212,9 +218,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def format_tables(points: list[Point]) -> str:
     header = ("sweep", "batch", "workers", "pf", "limit GB/s", "N-proc GB/s", "N-proc x2 GB/s",
-              "main ceil b/s",
+              "N-proc stream GB/s", "main ceil b/s",
               "torch b/s", "torch GB/s", "torch us/b",
-              "shm b/s", "shm GB/s", "shm us/b", "x torch", "% limit", "% N-proc", "% N-proc x2")
+              "shm b/s", "shm GB/s", "shm us/b", "x torch", "% limit", "% N-proc", "% N-proc x2",
+              "% N-proc stream")
     rows: list[tuple[str, ...]] = []
     for p in points:
         t, s = p.summary("torch"), p.summary("shmloader")
@@ -224,17 +231,20 @@ def format_tables(points: list[Point]) -> str:
         limit_gb = res.limit_bytes_per_batch * res.limit_batches_per_s / 1e9
         nproc_gb = res.limit_bytes_per_batch * res.nproc_limit_batches_per_s / 1e9
         nproc2_gb = res.limit_bytes_per_batch * res.nproc2_limit_batches_per_s / 1e9
+        stream_gb = res.limit_bytes_per_batch * res.nproc_stream_limit_batches_per_s / 1e9
         ceiling = p.main_ceiling()
         rows.append((p.sweep, _size(p.batch_bytes), str(p.workers), str(p.prefetch_factor),
                      f"{limit_gb:.2f}", f"{nproc_gb:.2f}" if nproc_gb else "-",
                      f"{nproc2_gb:.2f}" if nproc2_gb else "-",
+                     f"{stream_gb:.2f}" if stream_gb else "-",
                      _fmt(ceiling, ",.0f"),
                      _fmt(t["batches_per_s"], ",.1f"), _fmt(t["gb_per_s"], ".2f"),
                      _fmt(t["cpu_us_per_batch"], ",.0f"),
                      _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
                      _fmt(s["cpu_us_per_batch"], ",.0f"),
                      _fmt(s["x_torch"], ".2f"), _fmt(s["pct_limit"], ".0f"),
-                     _fmt(s["pct_nproc_limit"], ".0f"), _fmt(s["pct_nproc2_limit"], ".0f")))
+                     _fmt(s["pct_nproc_limit"], ".0f"), _fmt(s["pct_nproc2_limit"], ".0f"),
+                     _fmt(s["pct_nproc_stream_limit"], ".0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
