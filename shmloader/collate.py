@@ -2,7 +2,8 @@
 
 While a worker runs a task, a :class:`SlotSession` is current. Two things allocate from it:
 - the default collate (torch's own ``collate`` dispatch with the tensor rule replaced), which
-  sizes each stacked leaf from its first sample and ``torch.stack``-s the samples into the slot;
+  sizes each stacked leaf from its first sample and ``torch.stack``-s the samples into the slot
+  (a large leaf with streaming stores where they measure faster: ``shmloader.stacking``);
 - :func:`empty`, the public helper a custom ``collate_fn`` calls to allocate its outputs inside the
   slot (``torch.empty`` when no session is current, e.g. under torch's own DataLoader).
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from arena import SlotWriter
-from arena.stream import AVAILABLE, gather
+from shmloader import stacking
 from shmloader._torch_compat import (
     collate,
     collate_tensor_fn,
@@ -219,58 +219,14 @@ def _collate_tensor_in_slot(
     out = _session.empty((len(batch), *elem.shape), elem.dtype, plan=True)
     if out.is_meta:
         return out  # planning: the samples are stacked once a slot that fits is granted
-    size = elem.nbytes
-    if size * len(batch) >= STREAM_MIN_BYTES and STREAMING and _streamable(batch, elem, out):
-        gather(out.data_ptr(), size, [t.data_ptr() for t in batch])
-        return out
+    if out.nbytes >= stacking.STREAM_MIN_BYTES and stacking.STREAMING and stacking.streamable(
+        batch, elem, out
+    ):
+        return stacking.stack_large(batch, out)
     try:
         return torch.stack(list(batch), 0, out=out)
     except TypeError:  # a non-tensor among the samples: raise exactly what torch raises
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
-
-
-# Streaming (non-temporal) copies for a stacked leaf this big or bigger. Below it the batch and
-# the slots in flight still fit the caches and torch.stack's ordinary stores win; above it they
-# do not, and streaming stores copy 1.5x faster (2 processes at once, 4 slots each, 32 samples:
-# 2 MiB batches 57 vs 34 GB/s for torch.stack, 8 MiB 20-28 vs 33-42, 25 MiB 24 vs 35-37).
-STREAM_MIN_BYTES: Final = 4 << 20
-# SHMLOADER_STREAMING=0 turns streaming copies off (read once, at import; workers inherit it).
-STREAMING: Final = AVAILABLE and os.environ.get("SHMLOADER_STREAMING", "1") != "0"
-# Named tensors (torch.stack refuses them) exist in the older torch releases setup.cfg admits.
-_NAMED: Final = hasattr(torch.Tensor, "names")
-
-
-def _streamable(batch: Sequence[torch.Tensor], elem: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether copying each sample's bytes gives exactly what ``torch.stack(batch, out=out)``
-    gives: every sample a plain dense CPU tensor of ``elem``'s dtype and shape, holding its
-    values as stored (no conjugate or negative bit, no names, no grad to track), none
-    overlapping ``out``, and no torch function mode to redirect the call. Anything else goes to
-    ``torch.stack``, which gives torch's result or raises torch's error."""
-    if torch_function_mode_active():
-        return False
-    dtype, shape, size = elem.dtype, elem.shape, elem.nbytes
-    lo = out.data_ptr()
-    hi = lo + out.nbytes
-    tensor = torch.Tensor
-    for t in batch:
-        if (
-            type(t) is not tensor
-            or t.dtype is not dtype
-            or t.shape != shape
-            or not t.is_cpu
-            or t.layout is not torch.strided
-            or t.is_nested
-            or not t.is_contiguous()
-            or t.requires_grad
-            or t.is_conj()
-            or t.is_neg()
-            or (_NAMED and any(t.names))  # type: ignore[attr-defined,unused-ignore]
-        ):
-            return False
-        ptr = t.data_ptr()
-        if ptr < hi and lo < ptr + size:
-            return False
-    return True
 
 
 _INT64: Final = np.dtype(np.int64)

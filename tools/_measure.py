@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from arena.stream import gather
-from shmloader.collate import STREAM_MIN_BYTES, STREAMING
+from shmloader.stacking import STREAM_MIN_BYTES, STREAMING
 
 try:
     import psutil

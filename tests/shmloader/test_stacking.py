@@ -1,9 +1,10 @@
-"""Streaming copies in the default collate: a large stacked leaf is copied with streaming stores,
-and streaming never changes what the collate returns or raises.
+"""shmloader.stacking: a large stacked leaf may be copied with streaming stores, each process
+picks the faster copy by timing both, and streaming never changes what the collate returns or
+raises.
 
-Each case collates the same samples twice, streaming on and off, with the threshold at 0 so small
-samples take the streaming path too, and compares value for value (or error for error). A spy on
-``shmloader.collate.gather`` says which path ran."""
+Each collate case runs the same samples twice, streaming on (decided) and off, with the threshold
+at 0 so small samples take the streaming path too, and compares value for value (or error for
+error). A spy on ``shmloader.stacking.gather`` says which path ran."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import torch
 import shmloader
 import shmloader.collate as collate_mod
 from arena import stream
+from shmloader import stacking
 from shmloader.collate import SlotSession, slot_default_collate
+from shmloader.stacking import CopyChoice
 
 pytestmark = pytest.mark.skipif(not stream.AVAILABLE, reason="arena._stream not built here")
 
@@ -25,7 +28,7 @@ pytestmark = pytest.mark.skipif(not stream.AVAILABLE, reason="arena._stream not 
 class _Spy:
     def __init__(self) -> None:
         self.calls = 0
-        self.real = collate_mod.gather
+        self.real = stacking.gather
 
     def __call__(self, dst: int, size: int, srcs: list[int]) -> None:
         self.calls += 1
@@ -35,9 +38,10 @@ class _Spy:
 def _collate(arena, monkeypatch, samples, *, streaming: bool, min_bytes: int = 0,
              slot_bytes: int = 1 << 16):
     spy = _Spy()
-    monkeypatch.setattr(collate_mod, "gather", spy)
-    monkeypatch.setattr(collate_mod, "STREAMING", streaming)
-    monkeypatch.setattr(collate_mod, "STREAM_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(stacking, "gather", spy)
+    monkeypatch.setattr(stacking, "STREAMING", streaming)
+    monkeypatch.setattr(stacking, "STREAM_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(stacking, "_choice", CopyChoice(decided=True))
     ref = arena.acquire(slot_bytes)
     try:
         with SlotSession(arena.slot_buffer(ref)):
@@ -136,7 +140,7 @@ def test_a_batch_under_a_torch_function_mode_goes_to_torch_stack(arena, monkeypa
 
 
 def test_only_a_stacked_leaf_of_stream_min_bytes_or_more_streams(arena, monkeypatch):
-    limit = collate_mod.STREAM_MIN_BYTES
+    limit = stacking.STREAM_MIN_BYTES
     assert limit == 4 << 20
 
     def batch(sample_bytes: int) -> list[torch.Tensor]:
@@ -151,29 +155,101 @@ def test_only_a_stacked_leaf_of_stream_min_bytes_or_more_streams(arena, monkeypa
     assert torch.equal(at[0][-1], torch.stack(batch(limit // 4)))
 
 
-@pytest.mark.parametrize(("value", "expected"), [("0", "False"), ("1", "True"), (None, "True")])
-def test_shmloader_streaming_0_turns_streaming_off(value, expected):
-    env = {k: v for k, v in os.environ.items() if k != "SHMLOADER_STREAMING"}
+def _import_mode(value: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != stacking.ENV}
     if value is not None:
-        env["SHMLOADER_STREAMING"] = value
-    done = subprocess.run(
-        [sys.executable, "-c", "import shmloader.collate as c; print(c.STREAMING)"],
-        env=env, capture_output=True, text=True, timeout=60, check=True,
-    )
+        env[stacking.ENV] = value
+    code = "from shmloader import stacking as s; print(s.MODE, s.STREAMING, s.choice().decided)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, "auto True None"), ("auto", "auto True None"), (" Auto ", "auto True None"),
+    ("1", "1 True True"), ("0", "0 False None"),
+])
+def test_shmloader_streaming_says_auto_always_or_never(value, expected):
+    done = _import_mode(value)
+    assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected
+
+
+def test_an_unknown_shmloader_streaming_value_names_the_values_it_takes():
+    done = _import_mode("yes")
+    assert done.returncode != 0
+    assert "SHMLOADER_STREAMING='yes': expected 'auto'" in done.stderr
+    assert "'1' (always stream large leaves) or '0' (never)" in done.stderr
+
+
+def _measured(stack_ns: list[int], stream_ns: list[int]) -> CopyChoice:
+    """A choice fed the given times (per 1,000 bytes) in the order it asks for the copies."""
+    c = CopyChoice()
+    times = {False: iter(stack_ns), True: iter(stream_ns)}
+    while c.decided is None:
+        streams = c.next_streams()
+        c.record(streams, next(times[streams]), 1000)
+    return c
+
+
+def test_a_choice_alternates_from_torch_stack_and_decides_after_its_trials():
+    c = CopyChoice()
+    asked = []
+    for _ in range(2 * (c.WARMUP + c.TRIALS)):
+        assert c.decided is None
+        asked.append(c.next_streams())
+        c.record(asked[-1], 100, 1000)
+    assert asked == [False, True] * (c.WARMUP + c.TRIALS)
+    assert c.decided is not None
+
+
+def test_the_faster_median_wins_and_warmup_copies_do_not_count():
+    # the first pair (warm-up) says the opposite; one slow outlier each does not move a median
+    assert _measured([1, 500, 500, 9000, 500], [9000, 300, 300, 300, 5000]).decided is True
+    assert _measured([9000, 300, 300, 300, 5000], [1, 500, 500, 9000, 500]).decided is False
+    assert _measured([400] * 5, [400] * 5).decided is False  # a tie keeps torch.stack
+
+
+def test_a_decided_choice_stays_and_records_nothing():
+    c = _measured([500] * 5, [300] * 5)
+    before = (c.seen, [list(x) for x in c.ns_per_byte])
+    for _ in range(5):
+        assert c.next_streams() is True
+        c.record(False, 1, 1000)
+    assert (c.seen, [list(x) for x in c.ns_per_byte]) == before
+
+
+def test_a_forked_child_measures_afresh(monkeypatch):
+    monkeypatch.setattr(stacking, "_choice", _measured([500] * 5, [300] * 5))
+    assert stacking.choice().decided is True
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports what it sees, then exits at once
+        os.write(w, repr(stacking.choice().decided).encode())
+        os._exit(0)
+    os.close(w)
+    seen = os.read(r, 100).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert seen == "None"
+    assert stacking.choice().decided is True
 
 
 _STREAMED_HERE = [0]  # streaming copies made by this process (a worker, after _count_streams)
 
 
 def _count_streams(worker_id: int) -> None:
-    real = collate_mod.gather
+    real = stacking.gather
 
     def counting(dst: int, size: int, srcs: list[int]) -> None:
         _STREAMED_HERE[0] += 1
         real(dst, size, srcs)
 
-    collate_mod.gather = counting
+    stacking.gather = counting
+
+
+def _always_stream(worker_id: int) -> None:
+    _count_streams(worker_id)
+    stacking._choice = CopyChoice(decided=True)
 
 
 class _Frames(torch.utils.data.Dataset):
@@ -196,8 +272,8 @@ class _Frames(torch.utils.data.Dataset):
 
 def test_workers_stream_large_batches_and_yield_torchs_batches():
     ds = _Frames(48)
-    assert 8 * ds.pool[0].nbytes >= collate_mod.STREAM_MIN_BYTES
-    ours = shmloader.DataLoader(ds, batch_size=8, num_workers=2, worker_init_fn=_count_streams)
+    assert 8 * ds.pool[0].nbytes >= stacking.STREAM_MIN_BYTES
+    ours = shmloader.DataLoader(ds, batch_size=8, num_workers=2, worker_init_fn=_always_stream)
     theirs = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)
     got = [(frames.clone(), seen) for frames, seen in ours]
     want = [frames for frames, _ in theirs]
@@ -206,4 +282,37 @@ def test_workers_stream_large_batches_and_yield_torchs_batches():
         assert torch.equal(frames, expected), k
         # batch k is its worker's (k // 2)-th: every batch before it there was streamed
         assert seen.tolist() == [k // 2] * 8, k
+    del ours
+
+
+class _ChoiceFrames(_Frames):
+    """Each sample says where its worker's choice stood when it was fetched: -1 still
+    measuring, 0 torch.stack, 1 streaming."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        decided = stacking.choice().decided
+        return self.pool[i % 4] + (i // 4), -1 if decided is None else int(decided)
+
+
+def test_each_worker_measures_both_copies_then_keeps_one_and_batches_stay_torchs(monkeypatch):
+    monkeypatch.setattr(stacking, "MODE", "auto")
+    monkeypatch.setattr(stacking, "_choice", CopyChoice())  # what a worker inherits by default
+    trials = 2 * (CopyChoice.WARMUP + CopyChoice.TRIALS)
+    per_worker = trials + 3
+    ds = _ChoiceFrames(8 * 2 * per_worker)
+    ours = shmloader.DataLoader(ds, batch_size=8, num_workers=2)
+    theirs = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)
+    got = [(frames.clone(), state.tolist()) for frames, state in ours]
+    want = [frames for frames, _ in theirs]
+    assert len(got) == len(want) == 2 * per_worker
+    kept: dict[int, set[int]] = {0: set(), 1: set()}
+    for k, ((frames, state), expected) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(frames, expected), k
+        assert len(set(state)) == 1, (k, state)
+        if k // 2 < trials:  # this worker's first `trials` batches were its measurements
+            assert state[0] == -1, k
+        else:
+            assert state[0] in (0, 1), k
+            kept[k % 2].add(state[0])
+    assert all(len(v) == 1 for v in kept.values()), kept  # once made, the choice stays
     del ours
