@@ -2,8 +2,9 @@
 
 Owner side: :class:`Arena` creates slabs (:class:`Slab`) on demand, hands out slots
 (:class:`SlotRef`) through ``acquire`` and takes them back through ``release``. Other processes
-attach a slab from its :class:`SlabSpec`, write a batch with :class:`SlotWriter`, and describe it
-with a :class:`Descriptor`; the owner views it in place with :func:`views`.
+attach a slab from its :class:`SlabSpec`, write a batch with :class:`SlotWriter` (large copies
+with streaming stores: :mod:`arena.stream`), and describe it with a :class:`Descriptor`; the owner
+views it in place with :func:`views`.
 """
 
 from arena._layout import ALIGN, DTYPE_CODE, DTYPES, PAGE

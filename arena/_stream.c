@@ -61,10 +61,12 @@ static void stream_fence(void) {}
 
 static PyObject *gather(PyObject *self, PyObject *args)
 {
-    unsigned long long dst;
+    PyObject *dst_obj, *srcs;
     Py_ssize_t size;
-    PyObject *srcs;
-    if (!PyArg_ParseTuple(args, "KnO:gather", &dst, &size, &srcs))
+    if (!PyArg_ParseTuple(args, "O!nO:gather", &PyLong_Type, &dst_obj, &size, &srcs))
+        return NULL;
+    unsigned long long dst = PyLong_AsUnsignedLongLong(dst_obj); /* a negative address raises */
+    if (dst == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     if (size < 0) {
         PyErr_Format(PyExc_ValueError, "gather(): size must be >= 0, got %zd", size);

@@ -79,6 +79,7 @@ def test_gather_of_no_blocks_writes_nothing():
         ((0, 8, ["x"]), TypeError, "an integer is required"),
         ((0, 8, [-1]), OverflowError, "negative"),
         (("0", 8, []), TypeError, "argument 1 must be int"),
+        ((-64, 8, []), OverflowError, "negative"),
     ],
 )
 def test_gather_rejects_bad_arguments_before_copying(args, error, match):
