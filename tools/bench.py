@@ -41,14 +41,17 @@ Method
   loader must (one batch filled while the consumer holds another); where N buffers fit the
   last-level cache and 2N do not, the one-buffer limit is a cache rate no loader can reach, and
   ``% N-proc x2`` is the honest ceiling for ``torch.stack``'s copy. Where shmloader streams the
-  batch (``shmloader.collate.STREAM_MIN_BYTES`` or more, same-shape samples) an ``N-process x2
-  streaming`` row gives the same with streaming stores, the copy shmloader actually makes:
-  ``% N-proc stream`` is its ceiling (``SHMLOADER_STREAMING=0`` turns streaming off).
+  batch (``shmloader.stacking.STREAM_MIN_BYTES`` or more, same-shape samples) an ``N-process x2
+  streaming`` row gives the same with streaming stores, the copy shmloader's workers make where
+  they measure it faster: ``% N-proc stream`` is then its ceiling (``SHMLOADER_STREAMING=0``
+  turns streaming off, ``1`` always on).
 - Worker CPU per batch = CPU seconds of the loader's worker processes over the timed loop,
   divided by batches. ``bare`` is ``collate([dataset[i] for i in indices])`` in the main process
   (median of 50 batches, indices in shuffled order as the loaders get them): the part of a
   worker's time that is the dataset's and the collate's, so ``worker - bare`` is the loader's
-  own overhead per batch (the ``null`` workload shows it alone).
+  own overhead per batch (the ``null`` workload shows it alone). ``bare`` copies with
+  ``torch.stack``; where shmloader's workers stream a large batch instead, their copy is the
+  cheaper one, so ``worker - bare`` understates the overhead there and can be negative.
 
 Columns are defined in ``tools._loaders``; timing loops, limits and reaping live in
 ``tools._measure``; workloads in ``tools._synthetic``; tables and files in ``tools._report``.
