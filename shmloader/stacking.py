@@ -20,6 +20,9 @@ Invariants:
 - Only leaves of at least ``STREAM_MIN_BYTES`` are candidates: below it the batch and the slots
   in flight fit the caches and ``torch.stack`` wins everywhere measured.
 - The choice is per process (a forked child starts measuring afresh) and, once made, final.
+  A loader without persistent workers measures again in each epoch's workers: at most
+  ``WARMUP + TRIALS`` (5) copies the slower way per worker, against a worker start-up that
+  costs far more.
 """
 
 from __future__ import annotations
