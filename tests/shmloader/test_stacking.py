@@ -35,8 +35,9 @@ class _Spy:
         self.real(dst, size, srcs)
 
 
-def _collate(arena, monkeypatch, samples, *, streaming: bool, min_bytes: int = 0,
-             slot_bytes: int = 1 << 16):
+def _collate(
+    arena, monkeypatch, samples, *, streaming: bool, min_bytes: int = 0, slot_bytes: int = 1 << 16
+):
     spy = _Spy()
     monkeypatch.setattr(stacking, "gather", spy)
     monkeypatch.setattr(stacking, "STREAMING", streaming)
@@ -123,8 +124,7 @@ FALLBACK = {
 
 
 @pytest.mark.parametrize("samples", FALLBACK.values(), ids=FALLBACK.keys())
-def test_any_other_batch_goes_to_torch_stack_with_its_result_or_error(arena, monkeypatch,
-                                                                       samples):
+def test_any_other_batch_goes_to_torch_stack_with_its_result_or_error(arena, monkeypatch, samples):
     on, on_calls = _collate(arena, monkeypatch, samples, streaming=True)
     off, off_calls = _collate(arena, monkeypatch, samples, streaming=False)
     assert (on_calls, off_calls) == (0, 0)
@@ -146,10 +146,12 @@ def test_only_a_stacked_leaf_of_stream_min_bytes_or_more_streams(arena, monkeypa
     def batch(sample_bytes: int) -> list[torch.Tensor]:
         return [torch.full((sample_bytes,), i, dtype=torch.uint8) for i in range(4)]
 
-    below = _collate(arena, monkeypatch, batch(limit // 4 - 1), streaming=True,
-                     min_bytes=limit, slot_bytes=limit)
-    at = _collate(arena, monkeypatch, batch(limit // 4), streaming=True, min_bytes=limit,
-                  slot_bytes=limit)
+    below = _collate(
+        arena, monkeypatch, batch(limit // 4 - 1), streaming=True, min_bytes=limit, slot_bytes=limit
+    )
+    at = _collate(
+        arena, monkeypatch, batch(limit // 4), streaming=True, min_bytes=limit, slot_bytes=limit
+    )
     assert (below[1], at[1]) == (0, 1)
     assert torch.equal(below[0][-1], torch.stack(batch(limit // 4 - 1)))
     assert torch.equal(at[0][-1], torch.stack(batch(limit // 4)))
@@ -160,14 +162,21 @@ def _import_mode(value: str | None) -> subprocess.CompletedProcess[str]:
     if value is not None:
         env[stacking.ENV] = value
     code = "from shmloader import stacking as s; print(s.MODE, s.STREAMING, s.choice().decided)"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    (None, "auto True None"), ("auto", "auto True None"), (" Auto ", "auto True None"),
-    ("1", "1 True True"), ("0", "0 False None"),
-])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "auto True None"),
+        ("auto", "auto True None"),
+        (" Auto ", "auto True None"),
+        ("1", "1 True True"),
+        ("0", "0 False None"),
+    ],
+)
 def test_shmloader_streaming_says_auto_always_or_never(value, expected):
     done = _import_mode(value)
     assert done.returncode == 0, done.stderr
@@ -260,8 +269,9 @@ class _Frames(torch.utils.data.Dataset):
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.pool = torch.randint(0, 256, (4, *self.SHAPE), dtype=torch.uint8,
-                                  generator=torch.Generator().manual_seed(5))
+        self.pool = torch.randint(
+            0, 256, (4, *self.SHAPE), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+        )
 
     def __len__(self) -> int:
         return self.n
