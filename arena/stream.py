@@ -3,8 +3,8 @@
 Mechanism only: :func:`gather` copies equal-sized blocks from given addresses into consecutive
 places at ``dst`` with non-temporal stores (``arena/_stream.c``), which skip the
 read-for-ownership of each destination line and leave the caches to the processes that read
-them next. Whether a copy is large enough to gain is the caller's decision (``shmloader.collate``
-streams a stacked leaf of at least ``STREAM_MIN_BYTES``, found by measurement).
+them next. Whether a copy is large enough to gain, and whether streaming is faster on this
+machine at all, is the caller's decision.
 
 Invariants:
 - :func:`gather` returns only after a store fence: every byte it wrote is visible to any other

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from arena.stream import gather
-from shmloader.stacking import STREAM_MIN_BYTES, STREAMING
+from shmloader.stacking import STREAM_MIN_BYTES, STREAMING, streamable
 
 try:
     import psutil
@@ -183,13 +183,15 @@ def _stack_for(seconds: float, workload: Workload, buffers: int, stream: bool, s
 
 
 def streams(workload: Workload) -> bool:
-    """Whether shmloader's default collate streams this workload's batch (same-shape samples
-    whose stack is at least ``STREAM_MIN_BYTES``, on an install with streaming stores)."""
+    """Whether shmloader's default collate may stream this workload's batch: its stack is at
+    least ``STREAM_MIN_BYTES`` and ``shmloader.stacking.streamable`` admits its samples, on an
+    install with streaming stores that are not turned off."""
     if not STREAMING or workload.collate_fn is not None:
         return False
     samples = _batch_samples(workload)
-    same = all(t.shape == samples[0].shape and t.is_contiguous() for t in samples)
-    return same and sum(t.nbytes for t in samples) >= STREAM_MIN_BYTES
+    if sum(t.nbytes for t in samples) < STREAM_MIN_BYTES:
+        return False
+    return streamable(samples, samples[0], torch.empty(0, dtype=samples[0].dtype))
 
 
 def n_process_limit(

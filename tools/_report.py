@@ -13,7 +13,7 @@ summary from them, so the table, the JSON and the CSV can never disagree:
                      each); ``pct_nproc2_limit`` against the same with two buffers each, the
                      most a loader (which must fill one batch while another is held) can reach
                      with torch.stack's copy; ``pct_nproc_stream_limit`` against the same with
-                     streaming stores, the copy shmloader's collate uses for such a batch
+                     streaming stores, the copy shmloader's workers use where they measure it faster
 - ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
 - ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
                      single-copy limit

@@ -106,10 +106,6 @@ def _overlapping_out() -> list[torch.Tensor]:
     return [slot[:16], torch.zeros(16, dtype=torch.uint8)]
 
 
-def _under_a_function_mode() -> list[torch.Tensor]:
-    return [torch.ones(4), torch.zeros(4)]
-
-
 FALLBACK = {
     "non-contiguous": [torch.randn(3, 4).t() for _ in range(2)],
     "mixed dtypes": [torch.ones(3), torch.ones(3, dtype=torch.float64)],
