@@ -244,13 +244,20 @@ def _collate_ints(
     batch (another element type, even an int subclass or a NumPy scalar, whose conversions and
     warnings differ; all bools; an int beyond int64), and any batch while a torch function mode
     is on (a default device, which ``torch.tensor`` follows and ``torch.from_numpy`` does not),
-    goes to torch's own rule, which gives torch's tensor or raises torch's error."""
+    goes to torch's own rule, which gives torch's tensor or raises torch's error. In a session
+    the labels are written into the slot (planned, like a stacked leaf, when they do not fit)."""
     if torch_function_mode_active() or not {*map(type, batch)} <= _PLAIN_INTS:
         return torch.tensor(batch)
     arr = np.array(batch)
     if arr.dtype != _INT64:  # all bools, or an int beyond int64 (object or uint64)
         return torch.tensor(batch)
-    return torch.from_numpy(arr)
+    if _session is None:
+        return torch.from_numpy(arr)
+    # Born in the slot like a stacked leaf, so packing finds it placed and copies nothing.
+    out = _session.empty((len(arr),), torch.int64, plan=True)
+    if not out.is_meta:
+        out.numpy()[:] = arr
+    return out
 
 
 SLOT_COLLATE_FN_MAP: dict[Any, Any] = {

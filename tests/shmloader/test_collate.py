@@ -159,6 +159,28 @@ def test_int_led_batches_collate_to_torchs_tensor_or_error(arena, samples):
         assert got == expected
 
 
+def test_int_labels_are_written_into_the_slot(arena):
+    # Born in the slot, so packing finds them placed and copies nothing.
+    ref = arena.acquire(1 << 16)
+    labels = [7, -3, 2**62, 0, 5]
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        got = slot_default_collate(labels)
+        assert s.holds(got.data_ptr(), got.nbytes)
+    assert not s.overflowed
+    _assert_same(got, torch.utils.data.default_collate(labels))
+    again = torch.frombuffer(arena.slot_buffer(ref), dtype=torch.int64, count=len(labels))
+    assert again.tolist() == labels
+
+
+def test_int_labels_that_do_not_fit_the_slot_are_planned(arena):
+    ref = arena.acquire(4096)
+    labels = list(range(1000))  # 8000 bytes
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        got = slot_default_collate(labels)
+    assert got.is_meta and got.shape == (1000,) and got.dtype == torch.int64
+    assert s.planned
+
+
 def test_int_labels_follow_a_default_device_as_torch_does(arena):
     # torch.tensor follows torch.set_default_device / `with torch.device(...)`; np.array does not.
     ref = arena.acquire(1 << 16)
