@@ -2,6 +2,8 @@
 
 - ``drain`` consumes batches from a loader (or an iterator over one) and counts them; ``touch``
   and ``to_device`` are the two ways a batch is consumed.
+- ``n_process_limit`` runs N copiers at once (the memory limit); ``n_process_bare`` runs N bare
+  fetch + collate loops at once (the CPU ceiling of N workers with no loader cost).
 - ``single_copy_limit`` times ``torch.stack(samples, out=preallocated)`` of one batch on one
   thread; ``h2d_limit`` times the host-to-device copy of one pinned batch. Both report batches/s
   from the median of at least ``LIMIT_REPEATS[0]`` timed copies after ``LIMIT_WARMUP`` untimed ones.
@@ -207,13 +209,19 @@ def n_process_limit(
     (14 x 25 MB against a 300 MB L3, say) the first is a cache rate, the second a memory rate.
     ``stream=True`` copies with streaming stores (``arena.stream.gather``), as shmloader's
     collate does for a batch where :func:`streams` holds; ``torch.stack`` otherwise."""
+    return _together(processes, seconds, _stack_for, (workload, buffers, stream))
+
+
+def _together(processes: int, seconds: float, target: Callable[..., None],
+              args: tuple[Any, ...]) -> float:
+    """Start ``processes`` forked copies of ``target(seconds, *args, start, out_q)``, release
+    them at once, and sum the rates they put on ``out_q``."""
     if processes < 1:
         return 0.0
     ctx = torch.multiprocessing.get_context("fork")
     start, out_q = ctx.Barrier(processes + 1), ctx.Queue()
     procs = [
-        ctx.Process(target=_stack_for, args=(seconds, workload, buffers, stream, start, out_q),
-                    daemon=True)
+        ctx.Process(target=target, args=(seconds, *args, start, out_q), daemon=True)
         for _ in range(processes)
     ]
     for p in procs:
@@ -227,7 +235,7 @@ def n_process_limit(
             if p.exitcode is None:
                 p.kill()
                 p.join(5)
-    return sum(rates)
+    return float(sum(rates))
 
 
 def bare_fetch_collate_us(workload: Workload, batches: int = 50, seed: int = 0) -> float:
@@ -235,21 +243,65 @@ def bare_fetch_collate_us(workload: Workload, batches: int = 50, seed: int = 0) 
     a worker does for a batch besides the loader's own work (median of ``batches``). The indices
     come in shuffled order, as the loaders get them (``shuffle=True``): on ``tabular``, whose
     table is far larger than the caches, rows in order cost about a sixth less."""
-    collate = workload.collate_fn or torch.utils.data.default_collate
-    n = len(workload.dataset)  # type: ignore[arg-type]
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    indices, fetch_collate = _bare_batch(workload, seed)
     times = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one intra-op thread, as in a worker of either loader
     try:
         for b in range(batches):
-            idx = [order[(b * workload.batch_size + j) % n] for j in range(workload.batch_size)]
+            idx = indices(b)
             t0 = time.process_time()
-            collate([workload.dataset[i] for i in idx])
+            fetch_collate(idx)
             times.append(time.process_time() - t0)
     finally:
         torch.set_num_threads(threads)
     return statistics.median(times) * 1e6
+
+
+def _bare_batch(
+    workload: Workload, seed: int
+) -> tuple[Callable[[int], list[int]], Callable[[list[int]], None]]:
+    """``(indices, fetch_collate)``: the ``b``-th batch's indices in a shuffled order, and
+    ``collate([dataset[i] for i in indices])`` -- what a worker of either loader does for a
+    batch given its indices, and nothing else."""
+    collate = workload.collate_fn or torch.utils.data.default_collate
+    dataset, size = workload.dataset, workload.batch_size
+    n = len(dataset)  # type: ignore[arg-type]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def indices(b: int) -> list[int]:
+        return [order[(b * size + j) % n] for j in range(size)]
+
+    def fetch_collate(idx: list[int]) -> None:
+        collate([dataset[i] for i in idx])
+
+    return indices, fetch_collate
+
+
+def _bare_for(seconds: float, workload: Workload, seed: int, start: Any, out_q: Any) -> None:
+    """One process of :func:`n_process_bare`: bare batches for ``seconds``; puts batches/s."""
+    torch.set_num_threads(1)
+    indices, fetch_collate = _bare_batch(workload, seed)
+    # One epoch of index lists, made before the clock starts (a worker is handed its indices).
+    per_epoch = len(workload.dataset) // workload.batch_size  # type: ignore[arg-type]
+    batches = [indices(b) for b in range(max(1, per_epoch))]
+    first = os.getpid() % len(batches)  # each process its own place in the epoch, as workers
+    fetch_collate(batches[first])
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        fetch_collate(batches[(first + n) % len(batches)])
+        n += 1
+    out_q.put(n / elapsed)
+
+
+def n_process_bare(workload: Workload, processes: int, seconds: float = 1.0,
+                   seed: int = 0) -> float:
+    """Aggregate batches/s of ``processes`` processes each running the bare fetch + collate loop
+    (:func:`bare_fetch_collate_us`'s) at once: the most N workers could deliver with no loader
+    cost at all -- no main process, no IPC, no slot bookkeeping. Divided by ``torch-0``'s rate it
+    is the ceiling of ``x torch-0`` on this machine, for a CPU-bound workload."""
+    return _together(processes, seconds, _bare_for, (workload, seed))
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:

@@ -14,6 +14,9 @@ summary from them, so the table, the JSON and the CSV can never disagree:
                      most a loader (which must fill one batch while another is held) can reach
                      with torch.stack's copy; ``pct_nproc_stream_limit`` against the same with
                      streaming stores, the copy shmloader's workers use where they measure it faster
+- ``nproc_bare_batches_per_s`` N processes each running the bare fetch + collate loop at once:
+                     what N workers could deliver with no loader cost; its ``x torch-0`` cell
+                     is the most any N-worker loader can reach against ``torch-0`` here
 - ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
 - ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
                      single-copy limit
@@ -116,6 +119,7 @@ class WorkloadResult:
     nproc_stream_limit_batches_per_s: float = 0.0
     nproc: int = 0
     bare_us_per_batch: float = 0.0  # collate([ds[i] ...]) in one process
+    nproc_bare_batches_per_s: float = 0.0  # N processes doing only that, at once
     loaders: list[LoaderResult] = field(default_factory=list)
     skipped: str = ""
 
@@ -234,6 +238,13 @@ def format_table(results: list[WorkloadResult]) -> str:
                 rows.append(fixed(wr, label, rate, at))
         if wr.bare_us_per_batch:
             rows.append(fixed(wr, "bare fetch+collate", 0.0, worker=f"{wr.bare_us_per_batch:,.0f}"))
+        if wr.nproc_bare_batches_per_s:
+            row = dict(zip(header, fixed(wr, f"{n}-process bare", wr.nproc_bare_batches_per_s),
+                           strict=True))
+            torch0 = wr.column("torch-0")
+            if torch0 is not None and torch0.batches_per_s:  # the ceiling of "x torch-0"
+                row["x torch-0"] = f"{wr.nproc_bare_batches_per_s / torch0.batches_per_s:.2f}"
+            rows.append(tuple(row.values()))
         if wr.h2d_limit_batches_per_s:
             rows.append(fixed(wr, "h2d-copy", wr.h2d_limit_batches_per_s))
         for lr in wr.loaders:

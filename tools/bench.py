@@ -52,6 +52,11 @@ Method
   own overhead per batch (the ``null`` workload shows it alone). ``bare`` copies with
   ``torch.stack``; where shmloader's workers stream a large batch instead, their copy is the
   cheaper one, so ``worker - bare`` understates the overhead there and can be negative.
+- ``N-process bare`` = the aggregate batches/s of N forked processes each running that bare loop
+  at the same time for 1 s (each over one shuffled epoch of index lists made beforehand): what N
+  workers could deliver if the loader cost nothing (no main process, no IPC, no bookkeeping).
+  Its ``x torch-0`` cell (rate / ``torch-0``'s) is the ceiling of ``x torch-0`` for any N-worker
+  loader on this machine; a CPU-bound workload (``tabular``, ``null``) is judged against it.
 
 Columns are defined in ``tools._loaders``; timing loops, limits and reaping live in
 ``tools._measure``; workloads in ``tools._synthetic``; tables and files in ``tools._report``.
@@ -95,6 +100,7 @@ from ._measure import (
     drain,
     h2d_limit,
     interrupt_on_sigterm,
+    n_process_bare,
     n_process_limit,
     positive_int,
     reap,
@@ -210,6 +216,9 @@ def bench_workload(
                 workload, args.workers, buffers=2, stream=True)
     progress.start(f"{name} | bare fetch+collate")
     result.bare_us_per_batch = bare_fetch_collate_us(workload, seed=args.seed)
+    if args.workers > 1 and not workload.device:
+        progress.start(f"{name} | {args.workers}-process bare fetch+collate")
+        result.nproc_bare_batches_per_s = n_process_bare(workload, args.workers, seed=args.seed)
     if workload.device:
         progress.start(f"{name} | H2D limit")
         result.h2d_limit_batches_per_s, _ = h2d_limit(workload, workload.device)

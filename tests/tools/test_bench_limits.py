@@ -1,14 +1,18 @@
-"""tools.bench's limits: the streaming limit is measured exactly where shmloader streams, and the
-table shows each limit in its own row with the loaders' percentage of it."""
+"""tools.bench's limits: the streaming limit is measured exactly where shmloader streams, the
+N-process bare ceiling runs the workload's own fetch and collate in every process, and the table
+shows each limit in its own row with the loaders' percentage of it."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
+import torch
 
 from arena import stream
 from tools import _measure
 from tools._report import LoaderResult, RunSample, WorkloadResult, format_table
-from tools._synthetic import make_workload
+from tools._synthetic import Workload, make_workload
 
 
 @pytest.mark.skipif(not stream.AVAILABLE, reason="arena._stream not built here")
@@ -27,6 +31,32 @@ def test_a_streaming_limit_process_copies_and_reports_a_rate():
     assert _measure.n_process_limit(image, 1, seconds=0.05, buffers=2, stream=True) > 0
 
 
+class _CountingDataset(torch.utils.data.Dataset):
+    """Counts its samples, in every process, into one shared counter."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.count = multiprocessing.get_context("fork").Value("q", 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with self.count.get_lock():
+            self.count.value += 1
+        return torch.full((4,), float(i)), i
+
+
+def test_the_n_process_bare_ceiling_runs_the_fetch_and_collate_in_every_process():
+    dataset = _CountingDataset(64)
+    workload = Workload("counting", dataset, 8, None, "counted samples")
+    rate = _measure.n_process_bare(workload, 2, seconds=0.05)
+    # Each process collates one untimed batch, then batches for 0.05 s; the rate is their sum.
+    assert rate > 0
+    assert dataset.count.value >= 2 * 2 * 8
+    assert dataset.count.value % 8 == 0
+
+
 def test_the_table_gives_each_limit_its_row_and_each_loader_its_percentages():
     wr = WorkloadResult(
         "image",
@@ -37,6 +67,7 @@ def test_the_table_gives_each_limit_its_row_and_each_loader_its_percentages():
         nproc_stream_limit_batches_per_s=250.0,
         nproc=2,
         bare_us_per_batch=1500,
+        nproc_bare_batches_per_s=300.0,
     )
     shm = LoaderResult("shmloader", 2)
     shm.add(
@@ -49,7 +80,10 @@ def test_the_table_gives_each_limit_its_row_and_each_loader_its_percentages():
             worker_cpu_seconds=0.5,
         )
     )
-    wr.loaders = [shm]
+    torch0 = LoaderResult("torch-0", 0)
+    torch0.add(RunSample(batches=120, seconds=1.0, cpu_seconds=0.9, peak_pss_mb=200,
+                         bytes_per_batch=10**9))
+    wr.loaders = [shm, torch0]
     table = _cells(format_table([wr]))
     rows = {row["loader"]: row for row in table}
     assert list(rows) == [
@@ -58,7 +92,9 @@ def test_the_table_gives_each_limit_its_row_and_each_loader_its_percentages():
         "2-process x2 buffers",
         "2-process x2 streaming",
         "bare fetch+collate",
+        "2-process bare",
         "shmloader (2w)",
+        "torch-0 (0w)",
     ]
     for label, column in (
         ("single-copy", "% limit"),
@@ -70,6 +106,10 @@ def test_the_table_gives_each_limit_its_row_and_each_loader_its_percentages():
     assert rows["2-process x2 streaming"]["batches/s"] == "250.0"
     assert rows["2-process x2 streaming"]["GB/s"] == "250.00"
     assert rows["bare fetch+collate"]["worker CPU us/batch"] == "1,500"
+    # the bare ceiling: its rate, and against torch-0 (300 / 120) the most "x torch-0" can be
+    assert rows["2-process bare"]["batches/s"] == "300.0"
+    assert rows["2-process bare"]["x torch-0"] == "2.50"
+    assert rows["shmloader (2w)"]["x torch-0"] == "1.67"
     shm_row = rows["shmloader (2w)"]  # 200 batches/s against limits 100 / 200 / 160 / 250
     assert [shm_row[k] for k in ("% limit", "% N-proc", "% N-proc x2", "% N-proc stream")] == [
         "200.0%",
