@@ -1,9 +1,10 @@
 """Collation straight into slot memory, in a worker: the one copy each batch byte gets.
 
 While a worker runs a task, a :class:`SlotSession` is current. Two things allocate from it:
-- the default collate (torch's own ``collate`` dispatch with the tensor rule replaced), which
-  sizes each stacked leaf from its first sample and ``torch.stack``-s the samples into the slot
-  (a large leaf with streaming stores where they measure faster: ``shmloader.stacking``);
+- the default collate (torch's own ``collate`` dispatch with the tensor and int rules replaced),
+  which sizes each stacked leaf from its first sample and ``torch.stack``-s the samples into the
+  slot (a large leaf with streaming stores where they measure faster: ``shmloader.stacking``),
+  and writes a batch of plain int labels into the slot too;
 - :func:`empty`, the public helper a custom ``collate_fn`` calls to allocate its outputs inside the
   slot (``torch.empty`` when no session is current, e.g. under torch's own DataLoader).
 
