@@ -213,14 +213,16 @@ def format_table(results: list[WorkloadResult]) -> str:
     notes: list[str] = []
 
     def fixed(wr: WorkloadResult, label: str, rate: float, at: str | None = None,
-              worker: str = "") -> tuple[str, ...]:
-        """A limit's row: its rate and GB/s, and 100% in its own column ``at``."""
+              extra: dict[str, str] | None = None) -> tuple[str, ...]:
+        """A limit's row: its rate and GB/s, 100% in its own column ``at``, and ``extra``
+        cells by column name."""
         cells = dict.fromkeys(header, "")
         gb = f"{wr.limit_bytes_per_batch * rate / 1e9:.2f}" if rate else ""
         cells.update({"workload": wr.workload, "loader": label, "GB/s": gb,
-                      "batches/s": f"{rate:,.1f}" if rate else "", "worker CPU us/batch": worker})
+                      "batches/s": f"{rate:,.1f}" if rate else ""})
         if at:
             cells[at] = "100%"
+        cells.update(extra or {})
         return tuple(cells.values())
 
     for wr in results:
@@ -237,14 +239,14 @@ def format_table(results: list[WorkloadResult]) -> str:
             if rate:
                 rows.append(fixed(wr, label, rate, at))
         if wr.bare_us_per_batch:
-            rows.append(fixed(wr, "bare fetch+collate", 0.0, worker=f"{wr.bare_us_per_batch:,.0f}"))
+            rows.append(fixed(wr, "bare fetch+collate", 0.0,
+                              extra={"worker CPU us/batch": f"{wr.bare_us_per_batch:,.0f}"}))
         if wr.nproc_bare_batches_per_s:
-            row = dict(zip(header, fixed(wr, f"{n}-process bare", wr.nproc_bare_batches_per_s),
-                           strict=True))
             torch0 = wr.column("torch-0")
-            if torch0 is not None and torch0.batches_per_s:  # the ceiling of "x torch-0"
-                row["x torch-0"] = f"{wr.nproc_bare_batches_per_s / torch0.batches_per_s:.2f}"
-            rows.append(tuple(row.values()))
+            ceiling = {}  # against torch-0: the most "x torch-0" can be
+            if torch0 is not None and torch0.batches_per_s:
+                ceiling["x torch-0"] = f"{wr.nproc_bare_batches_per_s / torch0.batches_per_s:.2f}"
+            rows.append(fixed(wr, f"{n}-process bare", wr.nproc_bare_batches_per_s, extra=ceiling))
         if wr.h2d_limit_batches_per_s:
             rows.append(fixed(wr, "h2d-copy", wr.h2d_limit_batches_per_s))
         for lr in wr.loaders:
