@@ -65,28 +65,31 @@ class Leases:
         """The batch a READY message names, as views of its slot; the slot becomes LENT. If the
         batch cannot be rebuilt, its slot is released and the error propagates."""
         ref = msg.ref
+        lease = None
         try:
             buf, size, base = self._slabs.get(ref.slab_id) or self._map(ref.slab_id)
             arr = np.frombuffer(buf, np.uint8, size, ref.slot * size)
             batch, leaves = self.rebuilder.build(arr, P.layout(msg), lambda: P.descriptor(msg))
-            self.arena.lend(ref)
+            keep = arr.base
+            lease = Lease(keep, self.dead.append)
+            lease.slot = ref
+            lease.lo = base + ref.slot * size
+            lease.hi = lease.lo + size
+            keys = [id(keep)]
+            for leaf in leaves:
+                if type(leaf) is torch.Tensor:
+                    keys.append(leaf.untyped_storage()._cdata)
+            lease.keys = tuple(keys)
+            self._live[id(lease)] = lease
+            by_key = self._by_key
+            for k in keys:
+                by_key[k] = lease
+            self.arena.lend(ref)  # last: an interruption before it leaves no LENT slot unwatched
         except BaseException:
+            if lease is not None and id(lease) in self._live:
+                self._forget(lease)
             self.arena.release(ref)
             raise
-        keep = arr.base
-        lease = Lease(keep, self.dead.append)
-        lease.slot = ref
-        lease.lo = base + ref.slot * size
-        lease.hi = lease.lo + size
-        keys = [id(keep)]
-        for leaf in leaves:
-            if type(leaf) is torch.Tensor:
-                keys.append(leaf.untyped_storage()._cdata)
-        lease.keys = tuple(keys)
-        self._live[id(lease)] = lease
-        by_key = self._by_key
-        for k in keys:
-            by_key[k] = lease
         return batch  # if no leaf keeps `keep` alive, the lease is dead as this frame ends
 
     def _map(self, slab_id: int) -> tuple[memoryview, int, int]:

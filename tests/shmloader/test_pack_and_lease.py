@@ -2,6 +2,7 @@ import collections
 import gc
 
 import numpy as np
+import pytest
 import torch
 
 from arena import SlotState
@@ -112,4 +113,22 @@ def test_release_early_returns_the_slot_while_views_live(arena):
     assert leases.release_early(out) == 0
     del out  # the lease was forgotten: its death releases nothing twice
     assert leases.drain() == 0
+    assert arena.stats().slots_free == arena.stats().slots_total
+
+
+def test_an_interruption_while_a_batch_is_lent_leaves_no_slot_unwatched(arena, monkeypatch):
+    # Ctrl-C (or any exception) while the lease is being registered: the batch never reaches
+    # the user, so its slot must come back rather than stay LENT with nothing watching it.
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100), torch.ones(3)])
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.Tensor, "untyped_storage", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        leases.open(desc)
+    monkeypatch.undo()
+    gc.collect()
+    leases.drain()  # the unreturned batch's views are gone: nothing is released twice
+    assert arena.state(ref) is SlotState.FREE and leases.held == 0
     assert arena.stats().slots_free == arena.stats().slots_total
