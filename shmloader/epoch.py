@@ -18,10 +18,11 @@ Invariants:
   records are :mod:`shmloader.progress`'s; this module only wires them and turns answers into
   batches or errors.
 - Every slot that reaches the main process leaves it: yielded (then released with its lease),
-  released when its batch fails to rebuild, or released at teardown (a finished, dropped or
-  failed iterator stops its workers, then queues every slot it holds for release).
+  released when its batch fails to rebuild or the sampler raises while it is handed out, or
+  released at teardown (a finished, dropped or failed iterator stops its workers, then queues
+  every slot it holds for release).
 - A dead worker fails the iterator within one wait: pipes and process sentinels are watched
-  together.
+  together. An iterator inherited through ``fork()`` refuses to yield: its slots are the parent's.
 """
 
 from __future__ import annotations
@@ -148,12 +149,9 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         except StopIteration:
             return
         d = self._dispatch
-        if d.in_order:
-            d.put(index)
-            return
         sent = d.tasks.sent
         d.put(index)
-        if d.tasks.sent != sent:
+        if not d.in_order and d.tasks.sent != sent:  # the sampler position each task came from
             self._at.of_seq.append(self._at.next - 1)
 
     # -- resume state ---------------------------------------------------------------------------
@@ -196,6 +194,12 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
     def _next_data(self) -> Any:
         if self.failure is not None:
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
+        if self._pid != os.getpid():  # inherited through fork(): workers and slots are not ours
+            raise RuntimeError(
+                f"this DataLoader iterator belongs to process {self._pid}, not to this one "
+                f"({os.getpid()}), which inherited it through fork(); call iter(loader) here "
+                "to iterate with this process's own workers and arena"
+            )
         d = self._dispatch
         if self._leases.dead and self._leases.drain():
             d.offer()  # slots of batches whose views died since the last call
@@ -258,11 +262,15 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
-        self._progress.consumed(info.worker_id, d.epoch, info.seq)
-        if not d.in_order:
-            self._at.consumed(info.seq)
-        d.num_tasks[info.worker_id] -= 1
-        self._try_put()
+        try:
+            self._progress.consumed(info.worker_id, d.epoch, info.seq)
+            if not d.in_order:
+                self._at.consumed(info.seq)
+            d.num_tasks[info.worker_id] -= 1
+            self._try_put()  # torch draws the next index before it hands this batch out
+        except BaseException:  # the sampler raised (or Ctrl-C): torch drops the batch
+            d.release(info.slots())
+            raise
         answer = info.answer
         if isinstance(answer, P.Failed):
             d.release(info.slots())

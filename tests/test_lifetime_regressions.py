@@ -15,13 +15,11 @@ markers went with the fixes).
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import os
 import pickle
 import select
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +29,7 @@ import torch
 import shmloader
 from arena import ArenaExhaustedError
 from tests.forked import ForkedChild
+from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, rows_ok, states
 from tests.lifetime_datasets import (
     ListBatchSampler,
     NumpyRows,
@@ -39,7 +38,6 @@ from tests.lifetime_datasets import (
     TorchRows,
     UnevenWork,
     consecutive_batches,
-    expected_rows,
     marker_collate,
     row_value,
     scratch_collate,
@@ -48,38 +46,6 @@ from tests.lifetime_datasets import (
 
 HANG_S = 20.0  # a scenario that has not finished by then is hung: a pass takes a few seconds
 LOADER_TIMEOUT_S = 10  # every loader's timeout=: a worker waiting forever fails the test
-
-
-def states(loader: shmloader.DataLoader[Any]) -> dict[str, int]:
-    st = loader.stats()
-    assert st.arena is not None
-    return dict(st.arena.slots_by_state)
-
-
-def rows_ok(x: torch.Tensor | np.ndarray, indices: range | list[int], width: int) -> bool:
-    return torch.equal(torch.as_tensor(x), expected_rows(list(indices), width))
-
-
-def batch_ok(x: torch.Tensor, y: torch.Tensor, k: int, width: int, size: int = 4) -> bool:
-    """Whether ``(x, y)`` is batch ``k`` (of ``size`` consecutive indices) of a TorchRows."""
-    indices = range(size * k, size * k + size)
-    return rows_ok(x, indices, width) and y.tolist() == list(indices)
-
-
-def frees_its_loaders_on_failure(test: Callable[..., None]) -> Callable[..., None]:
-    """A failing test's traceback keeps its frames, and with them its loaders, iterators and
-    workers, alive past the suite's no-leak guard; clear those frames before pytest keeps them
-    (messages stay, local variables go)."""
-
-    @functools.wraps(test)
-    def run(*args: Any, **kwargs: Any) -> None:
-        try:
-            test(*args, **kwargs)
-        except BaseException as e:
-            traceback.clear_frames(e.__traceback__)
-            raise
-
-    return run
 
 
 # ------------------------------------------------------------------------ 1. NumPy collates

@@ -1,0 +1,104 @@
+"""Lifetime edges found by an adversarial review: ways out of the loop that used to leak a slot
+or let another process write into a batch the user still holds.
+
+- A sampler that raises while the iterator hands out a batch (a user bug, or Ctrl-C landing in a
+  slow sampler): torch drops that batch; its slot must come back (invariant 6).
+- A forked child calling ``next()`` on the iterator it inherited: the iterator belongs to the
+  parent (invariant 4), so the child gets an error naming the fix, and the parent's batches and
+  workers are untouched.
+
+Every loader has ``timeout=``; scenarios in a forked child run under :class:`ForkedChild`, which
+reaps it and reports its stack if it hangs. Each test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import shmloader
+from tests.forked import ForkedChild
+from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, states
+from tests.lifetime_datasets import TorchRows
+
+HANG_S = 20.0
+LOADER_TIMEOUT_S = 10
+
+
+class FailingOnce(torch.utils.data.Sampler[list[int]]):
+    """Batches of 4 consecutive indices; the first epoch raises at draw ``bad``."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad, self.epochs = n, bad, 0
+
+    def __len__(self) -> int:
+        return self.n // 4
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.epochs += 1
+        for k in range(self.n // 4):
+            if self.epochs == 1 and k == self.bad:
+                raise RuntimeError(f"sampler failed at draw {k}")
+            yield list(range(4 * k, 4 * k + 4))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
+@frees_its_loaders_on_failure
+def test_a_sampler_that_raises_mid_epoch_gives_back_the_slot_of_the_batch_being_handed_out(
+    persistent: bool,
+) -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(64, 64),
+        batch_sampler=FailingOnce(64, bad=6),
+        num_workers=2,
+        persistent_workers=persistent,
+        timeout=LOADER_TIMEOUT_S,
+    )
+    got = []
+    with pytest.raises(RuntimeError, match="sampler failed at draw 6"):
+        for k, (x, y) in enumerate(loader):
+            assert batch_ok(x, y, k, 64), k
+            got.append(k)
+    # torch draws the next index before it hands a batch out: with 2 workers x 2 tasks primed,
+    # the draw that fails is the one made while handing out batch 2, which is then lost
+    assert got == [0, 1]
+    del x, y
+    gc.collect()
+    # a clean epoch after the failure ends with every slot free: nothing was left READY
+    assert [k for k, (x, y) in enumerate(loader) if not batch_ok(x, y, k, 64)] == []
+    gc.collect()
+    left = states(loader)
+    assert (left["ready"], left["lent"], left["writing"]) == (0, 0, 0), left
+    assert loader.stats().batches_held == 0
+
+
+@frees_its_loaders_on_failure
+def test_a_forked_child_cannot_take_batches_from_the_iterator_it_inherited() -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(128, 64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    held = [next(it) for _ in range(3)]
+
+    def child_body() -> dict[str, Any]:
+        del held[:]  # the child drops its copies of the parent's batches, then tries the iterator
+        gc.collect()
+        try:
+            next(it)
+        except RuntimeError as e:
+            return {"error": str(e)}
+        return {"error": None}
+
+    report = ForkedChild(child_body, HANG_S).result()
+    assert report["error"] is not None, "the child took a batch from the parent's iterator"
+    assert f"belongs to process {os.getpid()}" in report["error"], report["error"]
+    assert "iter(loader)" in report["error"], report["error"]
+    rest = [next(it) for _ in range(10)]  # the parent goes on as if nothing happened
+    batches = held + rest
+    wrong = [k for k, (x, y) in enumerate(batches) if not batch_ok(x, y, k, 64)]
+    assert wrong == [], f"held batches {wrong} show other batches' rows"
