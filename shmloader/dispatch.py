@@ -21,7 +21,8 @@ Invariants:
 - Every NEED_SLOT is answered: GRANT of the task's own slot when the batch fits it, the grant
   already on its way when the worker had not seen it yet, or a bigger slot (GRANT) or DENY.
 - The arena grows only for the batch the consumer needs next (in sampler order, or any batch with
-  ``in_order=False``) and only when its worker waits for a slot; at the cap, slabs whose slots are
+  ``in_order=False``) and only when its worker waits for a slot, after waiting for the GPU's
+  copies from slots the copy fence holds (:mod:`shmloader.fence`); at the cap, slabs whose slots are
   all free are given back first, then garbage is collected; ``ArenaExhaustedError`` only when
   nothing else frees room, with exactly what the user holds. At the cap, tasks not yet started
   (queued behind a task their worker waits a slot for) give their slots back too (REVOKE).
@@ -343,24 +344,28 @@ class Dispatch:
         return min(stuck)
 
     def unblock(self, seq: int) -> None:
-        """Find a slot for task ``seq``: grow the arena; at its cap give back idle slabs of other
-        sizes; then collect garbage (views caught in reference cycles); else raise."""
+        """Find a slot for task ``seq``: wait for the GPU's copies from slots the copy fence
+        holds; grow the arena; at its cap give back idle slabs of other sizes; then collect
+        garbage (views caught in reference cycles); else raise."""
         info = self.tasks.get(seq)
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
-        for step in ("drain", "grow", "give back", "collect"):
-            if step == "give back":
+        for step in ("drain", "settle", "grow", "give back", "collect"):
+            if step == "settle":
+                if not leases.settle():
+                    continue
+            elif step == "give back":
                 self._revoke_unstarted()
                 for slab_id in self.arena.give_back_idle():
                     self._forget_slab(slab_id)
             elif step == "collect":
                 gc.collect()
-            if leases.drain():
+            if leases.drain() or step == "settle":
                 self.offer()
                 if seq not in self.wanting and seq not in self.unsent:
                     return
-            if step != "drain" and self._grow_for(info, nbytes):
+            if step not in ("drain", "settle") and self._grow_for(info, nbytes):
                 return
         raise self._exhausted(seq, nbytes)
 

@@ -200,9 +200,9 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 f"({os.getpid()}), which inherited it through fork(); call iter(loader) here "
                 "to iterate with this process's own workers and arena"
             )
-        d = self._dispatch
-        if self._leases.dead and self._leases.drain():
-            d.offer()  # slots of batches whose views died since the last call
+        d, leases = self._dispatch, self._leases
+        if (leases.dead or leases.fence) and leases.drain():
+            d.offer()  # slots of batches whose views died (and whose copies ended) since then
         while True:
             info = d.next_answer(d.status.__getitem__)
             if info is not None:

@@ -14,7 +14,8 @@ Invariants:
   caller's thread), so interleaved iterators never share a slot.
 - ``largest`` is the largest batch any iterator has asked a slot for, in bytes; dispatch takes
   slots of that size, so steady state needs no NEED_SLOT round trip.
-- ``close()`` unregisters pinned memory, then closes the arena; views still alive stay valid.
+- ``close()`` waits for the GPU's copies from the fence's slots, unregisters pinned memory, then
+  closes the arena; views still alive stay valid.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import weakref
 
 from arena import Arena, Backend
 from shmloader.export import StatsExport
+from shmloader.fence import CopyFence, cuda_events
 from shmloader.lease import Leases
 from shmloader.pin import Pinner
 from shmloader.stats import LoaderStats
@@ -43,12 +45,14 @@ class ArenaHost:
     ) -> None:
         self.pid = os.getpid()
         self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
-        self.leases = Leases(self.arena)
         self.pinner = Pinner(pin, pin_device)
+        # Slots of page-locked slabs wait for the GPU's copies from them (shmloader.fence).
+        fence = CopyFence(cuda_events(pin_device)) if pin else None
+        self.leases = Leases(self.arena, fence, self.pinner.registered)
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
         self.export = StatsExport.from_environment()  # None unless a profiler asked
-        self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena)
+        self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, fence)
 
     @property
     def here(self) -> bool:
@@ -64,10 +68,12 @@ class ArenaHost:
         self._closer()
 
 
-def _close(pid: int, pinner: Pinner, arena: Arena) -> None:
+def _close(pid: int, pinner: Pinner, arena: Arena, fence: CopyFence | None) -> None:
     if os.getpid() != pid:
         return  # inherited through fork(): the owner closes its own
     try:
+        if fence:
+            fence.settle()  # copies still queued from the slabs finish before they are unlocked
         pinner.close()
     finally:
         arena.close()

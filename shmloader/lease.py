@@ -19,12 +19,16 @@ Invariants:
 - Every release names a generation: a second release of a lease, or of a slot that has moved on
   to another batch, is a no-op that returns 0.
 - ``held`` (after a drain) is the number of batches lent and not yet returned.
+- With a :class:`~shmloader.fence.CopyFence` (a page-locked arena), the slot of a batch whose last
+  view died, or that was released early, goes back only once the GPU has passed the copies the
+  user may have queued from it; until then it stays LENT and is not counted in ``held``.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +36,7 @@ import torch
 
 from arena import Arena, SlotRef
 from shmloader import protocol as P
+from shmloader.fence import CopyFence
 from shmloader.rebuild import Rebuilder
 
 
@@ -48,8 +53,15 @@ class Lease(weakref.ref):  # type: ignore[type-arg]
 class Leases:
     """The batches of one arena that the user holds."""
 
-    def __init__(self, arena: Arena) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        fence: CopyFence | None = None,
+        fenced: Callable[[int], bool] = lambda slab_id: True,
+    ) -> None:
         self.arena = arena
+        self.fence = fence  # None: slots go back as soon as their batch is gone
+        self._fenced = fenced  # whether a slab's slots go through the fence (it is page-locked)
         self.dead: deque[Lease | SlotRef] = deque()  # appended from callbacks, drained here
         self.rebuilder = Rebuilder()
         self._live: dict[int, Lease] = {}  # id -> lease (a weakref hashes as its referent)
@@ -107,16 +119,33 @@ class Leases:
         """Release the slots of every batch whose views died, and of every slot a finalizer
         queued. Call only at a safe point (never from a callback). Returns how many."""
         dead, live, n = self.dead, self._live, 0
+        fence, held = self.fence, []
         while dead:
             x = dead.popleft()
             if isinstance(x, Lease):
                 if id(x) not in live:
                     continue  # released early already
                 self._forget(x)
-                n += self.arena.release(x.slot)
+                if fence is not None and self._fenced(x.slot.slab_id):
+                    held.append(x.slot)
+                else:
+                    n += self.arena.release(x.slot)
             else:
-                n += self.arena.release(x)
+                n += self.arena.release(x)  # a slot never lent: no copy can read it
+        if fence is not None:
+            if held:
+                fence.hold(held)
+            if fence:
+                for ref in fence.passed():
+                    n += self.arena.release(ref)
         return n
+
+    def settle(self) -> int:
+        """Wait for the GPU to pass the copies from every slot the fence holds, and release
+        them. Returns how many."""
+        if not self.fence:
+            return 0
+        return sum(self.arena.release(ref) for ref in self.fence.settle())
 
     def _forget(self, lease: Lease) -> None:
         del self._live[id(lease)]
@@ -126,8 +155,9 @@ class Leases:
                 del by_key[k]
 
     def release_early(self, batch: Any) -> int:
-        """Return the slots of ``batch`` now, whatever views remain. Returns how many; 0 for a
-        batch released before (its generation has moved on) or holding no slot."""
+        """Return the slots of ``batch`` now, whatever views remain (through the fence, if
+        any). Returns how many; 0 for a batch released before (its generation has moved on) or
+        holding no slot."""
         self.drain()
         n = 0
         for obj in _leaves_in(batch):
@@ -136,7 +166,11 @@ class Leases:
             if lease is None or id(lease) not in self._live or not lease.lo <= ptr < lease.hi:
                 continue
             self._forget(lease)
-            n += self.arena.release(lease.slot)
+            if self.fence is not None and self._fenced(lease.slot.slab_id):
+                self.fence.hold([lease.slot])  # released: its copies may still be queued
+                n += 1
+            else:
+                n += self.arena.release(lease.slot)
         return n
 
 

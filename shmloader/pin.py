@@ -98,6 +98,10 @@ class Pinner:
         self._chunks[slab.slab_id] = (done, slab.size)
         self.pinned_bytes += slab.size
 
+    def registered(self, slab_id: int) -> bool:
+        """Whether ``slab_id`` is page-locked (its views copy to the GPU asynchronously)."""
+        return slab_id in self._chunks
+
     def unregister(self, slab_id: int) -> None:
         """Unlock one slab before the arena gives it back. A no-op for a slab never pinned."""
         chunks, nbytes = self._chunks.pop(slab_id, ([], 0))

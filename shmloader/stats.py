@@ -51,7 +51,8 @@ class LoaderStats:
     - ``bytes_in_use``: reserved bytes in slots that are not free (writing, ready or lent).
     - ``bytes_by_state`` / ``slots_by_state``: bytes and slots per slot state (``free``,
       ``writing``: a worker collates into it, ``ready``: written, waiting its turn, ``lent``:
-      views of it are out with the user).
+      views of it are out with the user or, in a page-locked arena, its batch is gone but a
+      GPU copy queued from it may not have run yet: :mod:`shmloader.fence`).
     - ``slots_total``, ``slots_free``: slots in all slabs, and those free.
     - ``slot_sizes``: the slot size classes in bytes, ascending.
     - ``high_water_bytes``: the most bytes ever in use at once.

@@ -114,3 +114,40 @@ class FakeRegistrar:
 
     def unregister(self, ptr: int) -> None:
         self.unregistered.append(ptr)
+
+
+class FakeEvents:
+    """An event factory for :class:`shmloader.fence.CopyFence` standing in for CUDA: an event
+    completes only when the test says so (:meth:`complete_all`) or when someone waits on it
+    (``synchronize``, which the fake counts); ``query`` never completes one by itself."""
+
+    def __init__(self) -> None:
+        self.made: list[FakeEvent] = []
+        self.records = 0
+        self.waits = 0
+
+    def __call__(self) -> FakeEvent:
+        event = FakeEvent(self)
+        self.made.append(event)
+        return event
+
+    def complete_all(self) -> None:
+        for event in self.made:
+            event.done = True
+
+
+class FakeEvent:
+    def __init__(self, events: FakeEvents) -> None:
+        self.events = events
+        self.done = True  # a new event has nothing queued before it
+
+    def record(self) -> None:
+        self.events.records += 1
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.events.waits += 1
+        self.done = True

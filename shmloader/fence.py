@@ -1,0 +1,113 @@
+"""The copy fence: slots of a page-locked slab go back to the arena only once the GPU has passed
+every copy the user may have queued from them.
+
+A view of a registered slab is pinned memory, so ``x.to("cuda", non_blocking=True)`` queues a
+DMA that reads the slot *later*, when the stream gets to it. Once the user drops ``x`` its lease
+dies at once, and a slot released then could be rewritten by a worker before that DMA has read
+it. torch's own pinned batches are safe because its caching host allocator records an event for
+every copy from them. Memory registered with ``cudaHostRegister`` gets no such event, so this
+fence records one itself.
+
+When leases die (:meth:`Leases.drain`), their slots are *held* behind one event recorded on the
+current stream of the pinned device. They are released when that event has completed, which is
+checked at every drain. When the batch the consumer needs next waits for a slot, the
+dispatcher first *settles*: it waits for every held event rather than grow the arena.
+
+Invariants:
+- A held slot is released exactly once, after its event completed (or at :meth:`settle`).
+- Held slots stay LENT in the arena: they are neither free nor counted as batches the user holds.
+- Copies queued on the current stream (of the pinned device, at the drain) are covered. A copy on
+  another stream must be waited for by the user, for example with ``DevicePrefetcher``, which
+  holds each host batch until its own copy event has completed.
+- The event factory is a seam (:data:`EventFactory`): tests pass fakes, with no GPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from arena import SlotRef
+
+
+class Event(Protocol):
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+EventFactory = Callable[[], Event]
+
+
+class _CudaEvent:
+    """A ``torch.cuda.Event`` recorded on the current stream of one device."""
+
+    def __init__(self, device: str | None) -> None:
+        import torch
+
+        self._device = torch.device(device) if device and device.startswith("cuda") else None
+        # blocking: a wait in settle() sleeps instead of spinning on a core the workers need
+        self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+    def record(self) -> None:
+        import torch
+
+        self._event.record(torch.cuda.current_stream(self._device))
+
+    def query(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+def cuda_events(device: str | None) -> EventFactory:
+    """Events on the current stream of ``device`` (a ``cuda`` device name), or of the current
+    device when ``device`` names none."""
+    return lambda: _CudaEvent(device)
+
+
+class CopyFence:
+    """Slots whose batches died, each group behind the event recorded when they did."""
+
+    def __init__(self, events: EventFactory) -> None:
+        self._events = events
+        self._held: deque[tuple[Event, list[SlotRef]]] = deque()
+        self._spare: list[Event] = []  # completed events, recorded again instead of made anew
+
+    def __bool__(self) -> bool:
+        """Whether any slot is held."""
+        return bool(self._held)
+
+    @property
+    def held(self) -> int:
+        return sum(len(refs) for _, refs in self._held)
+
+    def hold(self, refs: list[SlotRef]) -> None:
+        """Hold ``refs`` until the GPU has passed everything queued on the stream so far."""
+        event = self._spare.pop() if self._spare else self._events()
+        event.record()
+        self._held.append((event, refs))
+
+    def passed(self) -> list[SlotRef]:
+        """The held slots whose event has completed, oldest first (no waiting)."""
+        out: list[SlotRef] = []
+        held = self._held
+        while held and held[0][0].query():
+            event, refs = held.popleft()
+            self._spare.append(event)
+            out += refs
+        return out
+
+    def settle(self) -> list[SlotRef]:
+        """Every held slot, after waiting for the GPU to pass their events."""
+        out: list[SlotRef] = []
+        while self._held:
+            event, refs = self._held.popleft()
+            event.synchronize()
+            self._spare.append(event)
+            out += refs
+        return out

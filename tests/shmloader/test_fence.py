@@ -1,0 +1,159 @@
+"""The copy fence (shmloader.fence): a slot of a page-locked slab whose batch died goes back
+only once the GPU has passed the copies queued from it. CUDA is replaced by fake events that
+complete when the test says so; the real-GPU test at the end skips without a device."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import shmloader
+from arena import SlotState
+from shmloader.fence import CopyFence
+from shmloader.host import ArenaHost
+from shmloader.lease import Leases
+from tests.lifetime_checks import frees_its_loaders_on_failure
+
+from .fakes import FakeEvents, FakeRegistrar, Squares
+from .test_pack_and_lease import _roundtrip
+
+
+def test_held_slots_pass_in_order_once_their_event_completes(arena):
+    events = FakeEvents()
+    fence = CopyFence(events)
+    a, b = arena.acquire(4096), arena.acquire(4096)
+    fence.hold([a])
+    fence.hold([b])
+    assert fence and fence.held == 2 and fence.passed() == []
+    events.made[1].done = True  # the later event alone: the earlier one still holds a
+    assert fence.passed() == []
+    events.made[0].done = True
+    assert fence.passed() == [a, b] and not fence
+    fence.hold([a])
+    assert len(events.made) == 2, "completed events are recorded again, not made anew"
+    assert fence.settle() == [a] and events.waits == 1 and not fence
+    arena.release(a)
+    arena.release(b)
+
+
+def test_a_dead_batch_keeps_its_slot_until_the_gpu_has_passed_its_copies(arena):
+    events = FakeEvents()
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    leases = Leases(arena, CopyFence(events))
+    out = leases.open(desc)
+    del out
+    assert leases.drain() == 0 and events.records == 1
+    assert arena.state(ref) is SlotState.LENT and leases.held == 0  # held, not the user's
+    assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT
+    events.complete_all()
+    assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE
+
+
+def test_a_batch_released_early_goes_through_the_fence_too(arena):
+    events = FakeEvents()
+    leases, desc, ref = _roundtrip(arena, {"x": torch.arange(10)})
+    leases = Leases(arena, CopyFence(events))
+    out = leases.open(desc)
+    assert leases.release_early(out) == 1
+    assert arena.state(ref) is SlotState.LENT
+    assert leases.release_early(out) == 0
+    assert leases.settle() == 1 and events.waits == 1
+    assert arena.state(ref) is SlotState.FREE
+    del out
+    assert leases.drain() == 0  # the forgotten lease's death releases nothing twice
+
+
+def test_slots_of_slabs_never_page_locked_skip_the_fence(arena):
+    events = FakeEvents()
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    leases = Leases(arena, CopyFence(events), fenced=lambda slab_id: False)
+    out = leases.open(desc)
+    del out
+    assert leases.drain() == 1 and events.records == 0
+    assert arena.state(ref) is SlotState.FREE
+
+
+def _fenced_loader(monkeypatch, events, **kwargs):
+    """A loader whose arena behaves as page-locked: slabs go through a fake registrar, batches
+    are passed through as torch would pass views of registered memory, copies are fake events."""
+    monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
+    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, timeout=10, **kwargs)
+    host = ArenaHost(
+        backend="auto",
+        max_bytes=kwargs.get("arena_max_bytes"),
+        slots_per_slab=loader.arena_options.slots_per_slab or loader._default_slots_per_slab(),
+        pin=True,
+        pin_device="cuda",
+    )
+    host.pinner._registrar = FakeRegistrar()
+    host.leases.fence = CopyFence(events)
+    loader._host = host
+    loader._host_for = lambda pin, device: host
+    return loader, host
+
+
+@frees_its_loaders_on_failure
+def test_a_loader_reuses_a_page_locked_slot_only_after_its_copies(monkeypatch):
+    events = FakeEvents()
+    loader, host = _fenced_loader(monkeypatch, events, arena_slots_per_slab=12)  # room to spare
+    it = iter(loader)
+    x, y = next(it)
+    assert host.pinner.pinned_bytes > 0
+    first = x.data_ptr()
+    del x, y
+    seen = []
+    for _ in range(6):  # the slot of batch 0 stays held while its (fake) copy is queued
+        x, y = next(it)
+        seen.append(x.data_ptr())
+        del x, y
+    gc.collect()
+    loader.stats()  # a drain: the last batch's slot joins the fence
+    assert events.waits == 0  # no slot was short: nothing waited for the GPU
+    assert first not in seen
+    assert host.leases.fence.held == 7  # every batch dropped so far, none copied yet
+    events.complete_all()
+    rest = [(x.data_ptr(), y.tolist()) for x, y in it]
+    assert [labels for _, labels in rest] == [list(range(i, i + 4)) for i in range(28, 64, 4)]
+    del it
+    gc.collect()
+    assert loader.stats().batches_held == 0  # a drain: the last deaths wait behind a new event
+    events.complete_all()
+    st = loader.stats()  # drains again: every held copy has passed
+    assert st.arena.slots_free == st.arena.slots_total
+
+
+@frees_its_loaders_on_failure
+def test_at_the_arena_cap_the_loader_waits_for_the_gpu_instead_of_failing(monkeypatch):
+    # One slab of 4 slots is all the cap allows; every batch is dropped at once, yet no event
+    # completes by itself: only waiting for the GPU (settle) gives the slots back.
+    events = FakeEvents()
+    probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
+    next(iter(probe))
+    slot = probe.stats().arena.slot_sizes[0]
+    del probe
+    loader, _ = _fenced_loader(
+        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4
+    )
+    labels = [y.tolist() for x, y in loader]
+    assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    assert events.waits > 0, "the slots came back without waiting for the GPU"
+    assert loader.stats().arena.slots_total == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_non_blocking_copies_behind_a_busy_stream_see_their_own_batch_on_a_real_gpu():
+    # Each copy is queued behind a long kernel, and the host batch is dropped at once: without
+    # the fence, a worker rewrites the slot before the DMA reads it.
+    loader = shmloader.DataLoader(Squares(256), batch_size=8, num_workers=2, pin_memory=True)
+    on_gpu = []
+    for x, _ in loader:
+        torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time before the copy starts
+        on_gpu.append(x.to("cuda", non_blocking=True))
+        del x
+    torch.cuda.synchronize()
+    for k, batch in enumerate(on_gpu):
+        want = torch.arange(8 * k, 8 * k + 8, dtype=torch.float32, device="cuda")
+        assert torch.equal(batch[:, 0, 0], want), k
