@@ -17,7 +17,14 @@ from arena.errors import (
     ArenaExhaustedError,
     StaleSlotError,
 )
-from arena.segment import Backend, Segment, SegmentSpec, mem_available_bytes, shm_free_bytes
+from arena.segment import (
+    Backend,
+    Segment,
+    SegmentSpec,
+    mem_available_bytes,
+    privatize,
+    shm_free_bytes,
+)
 from arena.slab import Slab, SlabSpec
 from arena.stats import ArenaStats
 from arena.views import array_view, payload, views
@@ -49,6 +56,7 @@ __all__ = [
     "default_max_bytes",
     "mem_available_bytes",
     "payload",
+    "privatize",
     "shm_free_bytes",
     "views",
 ]

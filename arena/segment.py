@@ -158,6 +158,29 @@ def _map(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
     return array
 
 
+_MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+
+
+def privatize(addr: int, nbytes: int) -> None:
+    """Replace ``[addr, addr + nbytes)`` of a shared mapping, in this process only, by private
+    anonymous pages holding the same bytes (``addr`` and ``nbytes`` whole pages). Afterwards
+    writes through other processes' mappings of the segment no longer show here, nor this
+    process's there; unmapping the whole mapping later unmaps these pages too."""
+    saved = ctypes.string_at(addr, nbytes)
+    got = _libc.mmap(
+        addr,
+        nbytes,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED,
+        -1,
+        0,
+    )
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a private copy of {nbytes:,} bytes failed: {os.strerror(err)}")
+    ctypes.memmove(addr, saved, nbytes)
+
+
 def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
     """The concrete backend ``auto`` picks for a request of ``nbytes``."""
     backend = Backend(backend)

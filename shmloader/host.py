@@ -24,6 +24,7 @@ import os
 import weakref
 
 from arena import Arena, Backend
+from shmloader import afterfork
 from shmloader.export import StatsExport
 from shmloader.fence import CopyFence, cuda_events
 from shmloader.lease import Leases
@@ -49,6 +50,7 @@ class ArenaHost:
         # Slots of page-locked slabs wait for the GPU's copies from them (shmloader.fence).
         fence = CopyFence(cuda_events(pin_device)) if pin else None
         self.leases = Leases(self.arena, fence, self.pinner.registered)
+        afterfork.track(self.leases)  # a child forked while batches are held keeps them
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
         self.export = StatsExport.from_environment()  # None unless a profiler asked

@@ -68,6 +68,10 @@ class Leases:
         self._by_key: dict[int, Lease] = {}
         self._slabs: dict[int, tuple[memoryview, int, int]] = {}  # id -> (buffer, slot size, base)
 
+    def live(self) -> list[Lease]:
+        """The leases of batches lent and not yet returned (as of the last drain)."""
+        return list(self._live.values())
+
     @property
     def held(self) -> int:
         self.drain()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from shmloader import afterfork
 from shmloader import protocol as P
 from shmloader.frames import HEADER, READ_BYTES, SMALL_FRAME, cut_frames
 from shmloader.worker import WorkerConfig, worker_main
@@ -99,7 +100,8 @@ class Supervisor:
                     daemon=True,
                 )
                 try:
-                    proc.start()
+                    with afterfork.forking_workers():  # a worker never reads lent batches
+                        proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     raise _start_error(e, cfg) from e
                 finally:

@@ -6,6 +6,9 @@ or let another process write into a batch the user still holds.
 - A forked child calling ``next()`` on the iterator it inherited: the iterator belongs to the
   parent (invariant 4), so the child gets an error naming the fix, and the parent's batches and
   workers are untouched.
+- A forked child holding a batch (``multiprocessing.Process(args=(batch,))`` under fork, or a
+  bare ``os.fork()``) while the parent drops it and iterates on: the child keeps its batch, as
+  with torch, though the parent's workers rewrite the slot (``shmloader.afterfork``).
 
 Every loader has ``timeout=``; scenarios in a forked child run under :class:`ForkedChild`, which
 reaps it and reports its stack if it hangs. Each test failed before its fix.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,3 +106,39 @@ def test_a_forked_child_cannot_take_batches_from_the_iterator_it_inherited() -> 
     batches = held + rest
     wrong = [k for k, (x, y) in enumerate(batches) if not batch_ok(x, y, k, 64)]
     assert wrong == [], f"held batches {wrong} show other batches' rows"
+
+
+@frees_its_loaders_on_failure
+def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slot() -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(400, 256), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    held = [next(it)]
+    slot = held[0][0].data_ptr()
+    go_r, go_w = os.pipe()
+
+    def child_body() -> dict[str, Any]:
+        os.close(go_w)
+        select.select([go_r], [], [], HANG_S)  # until the parent has rewritten the slot
+        x, y = held[0]
+        return {"ok": batch_ok(x, y, 0, 256), "first": x[0, 0].item()}
+
+    child = ForkedChild(child_body, HANG_S)
+    os.close(go_r)
+    reused_by = None
+    try:
+        held.clear()  # the parent drops batch 0; the child still has it
+        for k in range(1, 60):  # the parent goes on until a later batch lands in that slot
+            xk, yk = next(it)
+            assert batch_ok(xk, yk, k, 256), k
+            if xk.data_ptr() == slot:
+                reused_by = k
+                break
+            del xk, yk
+        os.write(go_w, b"g")
+    finally:
+        os.close(go_w)
+        report = child.result()
+    assert reused_by is not None, "no later batch reused the slot of batch 0"
+    assert report["ok"], f"the child's batch 0 shows {report['first']} (batch {reused_by} rows)"

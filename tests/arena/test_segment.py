@@ -336,3 +336,23 @@ def test_an_attacher_hands_on_the_owners_spec_not_its_own_descriptor():
         assert proc.exitcode == 0
     finally:
         seg.close()
+
+
+def test_privatize_keeps_the_bytes_and_parts_a_range_from_the_shared_segment(backend):
+    owner = Segment.create(3 * PAGE, backend)
+    other = Segment.attach(owner.spec)  # a second mapping, as another process would have
+    try:
+        mine = np.frombuffer(owner.buffer, np.uint8)
+        theirs = np.frombuffer(other.buffer, np.uint8)
+        mine[:] = 7
+        segment_mod.privatize(int(theirs.ctypes.data) + PAGE, PAGE)  # the middle page only
+        assert (theirs == 7).all(), "the private copy holds the bytes it replaced"
+        mine[:] = 9
+        assert (theirs[PAGE : 2 * PAGE] == 7).all(), "the copy no longer sees the segment"
+        assert (theirs[:PAGE] == 9).all() and (theirs[2 * PAGE :] == 9).all()
+        theirs[PAGE : 2 * PAGE] = 5
+        assert (mine == 9).all(), "writes to the copy stay in it"
+        del mine, theirs
+    finally:
+        other.close()
+        owner.close()
