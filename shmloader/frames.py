@@ -25,6 +25,13 @@ _LEN: Final = HEADER
 _LONG_LEN: Final = struct.Struct("!Q")
 
 
+def framed(frame: bytes) -> bytes:
+    """``frame`` with the header ``Connection.send_bytes`` puts in front of it."""
+    if len(frame) < 0x7FFFFFFF:
+        return HEADER.pack(len(frame)) + frame
+    return HEADER.pack(-1) + _LONG_LEN.pack(len(frame)) + frame
+
+
 def cut_frames(buf: bytearray) -> Iterator[bytes]:
     """Every complete frame at the front of ``buf``, removed from it."""
     pos, end = 0, len(buf)

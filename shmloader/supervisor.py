@@ -2,6 +2,10 @@
 
 Invariants:
 - Each worker has one duplex pipe; the main process holds one end, the worker the other.
+- The main process never blocks writing to a worker: its ends are non-blocking, and what a pipe
+  cannot take now waits in that worker's outbox, in order, and goes out when :meth:`wait` finds
+  the pipe writable. (A worker writing a large READY frame while the main process wrote a large
+  TASK frame to it would otherwise block both for good.)
 - :meth:`Supervisor.wait` returns as soon as a pipe is readable *or* a worker that should be alive
   has exited (its process sentinel), so a dead worker is noticed at once, not by a periodic poll.
   The main process reads the pipes itself (one ``read`` per wake-up, cutting every whole frame
@@ -22,6 +26,7 @@ import os
 import pickle
 import select
 import signal
+import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -29,7 +34,7 @@ from typing import Any
 
 from shmloader import afterfork
 from shmloader import protocol as P
-from shmloader.frames import HEADER, READ_BYTES, SMALL_FRAME, cut_frames
+from shmloader.frames import READ_BYTES, cut_frames, framed
 from shmloader.worker import WorkerConfig, worker_main
 
 # Every worker process object this process started. A plain os.fork() of the main process copies
@@ -81,13 +86,15 @@ class Supervisor:
         self._poll: select.poll | None = None
         self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
         self._bufs: list[bytearray] = [bytearray() for _ in configs]  # bytes read, not yet cut
-        self._wfds: list[int] = []  # the pipes' descriptors, written directly for small frames
+        self._wfds: list[int] = []  # the pipes' descriptors (non-blocking)
+        self._outbox: list[bytearray] = [bytearray() for _ in configs]  # bytes not yet written
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
                 parent, child = ctx.Pipe(duplex=True)
                 self.conns.append(parent)
                 self._wfds.append(parent.fileno())
+                os.set_blocking(parent.fileno(), False)
                 if forked:
                     # A forked worker inherits the main process's ends of every pipe made so
                     # far, its own included; it closes them, so it sees EOF when the main
@@ -120,15 +127,59 @@ class Supervisor:
         return worker_id not in self.retired and self.procs[worker_id].exitcode is None
 
     def send(self, worker_id: int, msg: P.ToWorker) -> None:
-        """Send ``msg``; a broken pipe means the worker died, which :meth:`wait` reports."""
-        frame = P.encode(msg)
+        """Send ``msg`` without blocking: what the pipe cannot take now waits in the worker's
+        outbox. A broken pipe means the worker died, which :meth:`wait` reports."""
+        data = framed(P.encode(msg))
+        box = self._outbox[worker_id]
+        if box:
+            box += data  # behind what is already waiting
+            return
         try:  # (not contextlib.suppress: that costs 0.5 us a task)
-            if len(frame) <= SMALL_FRAME:  # one write, the header in front (as send_bytes does)
-                os.write(self._wfds[worker_id], HEADER.pack(len(frame)) + frame)
-            else:
-                self.conns[worker_id].send_bytes(frame)
+            n = os.write(self._wfds[worker_id], data)
+        except BlockingIOError:
+            n = 0
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            return
+        if n < len(data):
+            box += memoryview(data)[n:]
+            self._watch_writable(worker_id, True)
+
+    def _flush(self, worker_id: int) -> None:
+        """Write as much of the worker's outbox as its pipe takes now."""
+        box = self._outbox[worker_id]
+        try:
+            n = os.write(self._wfds[worker_id], box)
+        except BlockingIOError:
+            return
+        except (BrokenPipeError, ConnectionResetError):
+            n = len(box)  # the worker died: wait() reports it
+        del box[:n]
+        if not box:
+            self._watch_writable(worker_id, False)
+
+    def _flush_all(self, timeout: float) -> None:
+        """Write every outbox out, waiting at most ``timeout`` for the pipes to take it (a
+        worker that is not reading keeps the rest: teardown terminates it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = {
+                self._wfds[w]: w
+                for w, p in enumerate(self.procs)
+                if self._outbox[w] and p.exitcode is None
+            }
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return
+            poller = select.poll()
+            for fd in pending:
+                poller.register(fd, select.POLLOUT)
+            for fd, _ in poller.poll(int(left * 1000) + 1):
+                self._flush(pending[fd])
+
+    def _watch_writable(self, worker_id: int, on: bool) -> None:
+        if self._poll is not None and worker_id not in self.retired:
+            events = select.POLLIN | select.POLLOUT if on else select.POLLIN
+            self._poll.modify(self._wfds[worker_id], events)
 
     def retire(self, worker_id: int) -> None:
         """Tell a worker to exit and stop watching it."""
@@ -153,7 +204,8 @@ class Supervisor:
             self._fds = {}
             for wid, (p, c) in enumerate(zip(self.procs, self.conns, strict=True)):
                 if wid not in self.retired:
-                    self._poll.register(c.fileno(), select.POLLIN)
+                    out = select.POLLOUT if self._outbox[wid] else 0
+                    self._poll.register(c.fileno(), select.POLLIN | out)
                     self._poll.register(p.sentinel, select.POLLIN)
                     self._fds[c.fileno()] = (wid, True)
                     self._fds[p.sentinel] = (wid, False)
@@ -168,13 +220,19 @@ class Supervisor:
         frames: list[tuple[int, bytes]] = []
         suspect = False
         ms = None if timeout is None else max(0, int(timeout * 1000))
-        for fd, _ in poller.poll(ms):
+        for fd, events in poller.poll(ms):
             wid, is_pipe = self._fds[fd]
             if not is_pipe:
                 suspect = True  # a sentinel: that worker exited
                 continue
+            if events & select.POLLOUT:
+                self._flush(wid)
+                if not events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    continue
             try:
                 data = os.read(fd, READ_BYTES)
+            except BlockingIOError:
+                continue  # nothing to read after all
             except OSError:
                 data = b""
             if not data:
@@ -204,6 +262,7 @@ class Supervisor:
         for wid, p in enumerate(self.procs):
             if p.exitcode is None:
                 self.send(wid, P.Stop())
+        self._flush_all(JOIN_S)
         for p in self.procs:
             p.join(JOIN_S)
         for p in self.procs:

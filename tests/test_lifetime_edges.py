@@ -1,5 +1,5 @@
-"""Lifetime edges found by an adversarial review: ways out of the loop that used to leak a slot
-or let another process write into a batch the user still holds.
+"""Lifetime and hang edges found by an adversarial review: ways out of the loop that used to leak
+a slot, let another process write into a batch the user still holds, or block for good.
 
 - A sampler that raises while the iterator hands out a batch (a user bug, or Ctrl-C landing in a
   slow sampler): torch drops that batch; its slot must come back (invariant 6).
@@ -9,6 +9,11 @@ or let another process write into a batch the user still holds.
 - A forked child holding a batch (``multiprocessing.Process(args=(batch,))`` under fork, or a
   bare ``os.fork()``) while the parent drops it and iterates on: the child keeps its batch, as
   with torch, though the parent's workers rewrite the slot (``shmloader.afterfork``).
+
+- Frames larger than a pipe holds, both ways at once (a batch size of 65,536 makes each TASK
+  512 KiB of indices; a collate returning 1,500 tensors of 60 dimensions makes each READY about
+  700 KiB): the main process must not block writing a TASK while the worker blocks writing its
+  READY.
 
 Every loader has ``timeout=``; scenarios in a forked child run under :class:`ForkedChild`, which
 reaps it and reports its stack if it hangs. Each test failed before its fix.
@@ -142,3 +147,41 @@ def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slo
         report = child.result()
     assert reused_by is not None, "no later batch reused the slot of batch 0"
     assert report["ok"], f"the child's batch 0 shows {report['first']} (batch {reused_by} rows)"
+
+
+class Counted(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 4 * BIG_BATCH
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+BIG_BATCH = 65_536  # indices per TASK: 512 KiB of int64, more than a pipe holds
+LEAVES = 1_500  # 60-dimensional tensors per batch: a READY frame of about 700 KiB
+
+
+def count_with_leaves(samples: list[int]) -> tuple[int, int, list[torch.Tensor]]:
+    """The batch's first index and size, and LEAVES tiny tensors of 60 dimensions each (each
+    dimension is a field of the batch's layout in its READY frame)."""
+    return samples[0], len(samples), [torch.full((1,) * 60, i) for i in samples[:LEAVES]]
+
+
+def _big_frames_both_ways() -> dict[str, Any]:
+    loader = shmloader.DataLoader(
+        Counted(),
+        batch_size=BIG_BATCH,
+        num_workers=1,
+        collate_fn=count_with_leaves,
+        timeout=LOADER_TIMEOUT_S,
+    )
+    got = []
+    for first, n, leaves in loader:
+        got.append((first, n, [int(t) for t in leaves] == list(range(first, first + LEAVES))))
+    return {"got": got}
+
+
+@pytest.mark.timeout(HANG_S + 30)
+def test_frames_larger_than_a_pipe_both_ways_do_not_deadlock() -> None:
+    report = ForkedChild(_big_frames_both_ways, HANG_S).result()
+    assert report["got"] == [[k * BIG_BATCH, BIG_BATCH, True] for k in range(4)]

@@ -2,7 +2,7 @@ import multiprocessing
 import os
 import struct
 
-from shmloader.frames import FrameReader, cut_frames
+from shmloader.frames import FrameReader, cut_frames, framed
 
 
 def _frame(payload: bytes) -> bytes:
@@ -35,3 +35,9 @@ def test_a_reader_gets_what_a_connection_sends_and_none_at_end_of_file():
     a.close()
     assert reader.next() is None
     b.close()
+
+
+def test_framed_bytes_are_cut_back_into_the_same_frames():
+    buf = bytearray(framed(b"abc") + framed(b"") + framed(bytes(70_000)))
+    assert list(cut_frames(buf)) == [b"abc", b"", bytes(70_000)]
+    assert buf == bytearray()
