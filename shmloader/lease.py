@@ -158,10 +158,11 @@ class Leases:
             if by_key.get(k) is lease:
                 del by_key[k]
 
-    def release_early(self, batch: Any) -> int:
-        """Return the slots of ``batch`` now, whatever views remain (through the fence, if
-        any). Returns how many; 0 for a batch released before (its generation has moved on) or
-        holding no slot."""
+    def release_early(self, batch: Any, copies_done: bool = False) -> int:
+        """Return the slots of ``batch`` now, whatever views remain: through the fence, if any,
+        unless the caller knows every copy from them has completed (``copies_done``). Returns
+        how many; 0 for a batch released before (its generation has moved on) or holding no
+        slot."""
         self.drain()
         n = 0
         for obj in _leaves_in(batch):
@@ -170,7 +171,7 @@ class Leases:
             if lease is None or id(lease) not in self._live or not lease.lo <= ptr < lease.hi:
                 continue
             self._forget(lease)
-            if self.fence is not None and self._fenced(lease.slot.slab_id):
+            if not copies_done and self.fence is not None and self._fenced(lease.slot.slab_id):
                 self.fence.hold([lease.slot])  # released: its copies may still be queued
                 n += 1
             else:

@@ -177,6 +177,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         nw = self.num_workers
         return (self.prefetch_factor or 2) * nw + self._consumer_holds
 
+    def _copies_done(self, batch: Any) -> None:
+        """A ``DevicePrefetcher`` is done with ``batch``: its copies to the GPU have completed
+        and nothing else refers to it, so its slots go back without waiting on the copy fence."""
+        host = self._host
+        if host is not None and host.here:
+            host.leases.release_early(batch, copies_done=True)
+
     def _consumer_will_hold(self, batches: int) -> None:
         """The consumer keeps up to ``batches`` batches alive at once (a ``DevicePrefetcher`` of
         depth d: d + 2). New slabs get a slot for each, unless ``arena_slots_per_slab`` was

@@ -16,7 +16,9 @@ Invariants:
   wait for slots held here.
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
-  under an in-flight DMA (FFCV and SPDL do the same).
+  under an in-flight DMA (FFCV and SPDL do the same). A shmloader ``DataLoader`` then gets its
+  slots back at once (``_copies_done``), without the wait on the current stream that the copy
+  fence (:mod:`shmloader.fence`) applies to batches whose copies it cannot see.
 - Device tensors handed out are marked as used by the consumer stream (``record_stream``), so the
   caching allocator does not reuse their memory while the consumer still reads them.
 - The CUDA calls sit behind :class:`CopyEngine`; tests pass a fake that records calls.
@@ -27,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -126,6 +128,7 @@ class DevicePrefetcher:
         will_hold = getattr(self.loader, "_consumer_will_hold", None)
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
             will_hold(self.depth + 2)
+        done = getattr(self.loader, "_copies_done", None) or _drop
         source = iter(self.loader)
         in_flight: deque[tuple[Any, Any, Event]] = deque()  # (host, device, event)
         retiring: deque[tuple[Any, Event]] = deque()  # host batches whose copy may still run
@@ -138,9 +141,9 @@ class DevicePrefetcher:
                 # consumer waits for the whole device (torch.cuda.synchronize()) every step.
                 ahead = next(source, _END)
                 if len(in_flight) > self.depth:
-                    yield self._hand_over(engine, in_flight, retiring)
+                    yield self._hand_over(engine, in_flight, retiring, done)
             while in_flight:
-                yield self._hand_over(engine, in_flight, retiring)
+                yield self._hand_over(engine, in_flight, retiring, done)
         finally:
             for _, event in retiring:
                 event.synchronize()
@@ -154,10 +157,16 @@ class DevicePrefetcher:
         engine: CopyEngine,
         in_flight: deque[tuple[Any, Any, Event]],
         retiring: deque[tuple[Any, Event]],
+        done: Callable[[Any], None],
     ) -> Any:
         host, device_batch, event = in_flight.popleft()
         engine.hand_over(device_batch, event)
         retiring.append((host, event))
+        del host
         while retiring and retiring[0][1].query():
-            retiring.popleft()  # that copy is done: the host batch (and its slot) may go
+            done(retiring.popleft()[0])  # that copy is done: the host batch (and its slot) may go
         return device_batch
+
+
+def _drop(batch: Any) -> None:
+    """What happens to a host batch whose copy is done, for a loader other than shmloader's."""

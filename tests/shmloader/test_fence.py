@@ -14,6 +14,7 @@ from arena import SlotState
 from shmloader.fence import CopyFence
 from shmloader.host import ArenaHost
 from shmloader.lease import Leases
+from shmloader.prefetch import DevicePrefetcher
 from tests.lifetime_checks import frees_its_loaders_on_failure
 
 from .fakes import FakeEvents, FakeRegistrar, Squares
@@ -140,6 +141,27 @@ def test_at_the_arena_cap_the_loader_waits_for_the_gpu_instead_of_failing(monkey
     assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
     assert events.waits > 0, "the slots came back without waiting for the GPU"
     assert loader.stats().arena.slots_total == 4
+
+
+@frees_its_loaders_on_failure
+def test_a_prefetchers_host_batches_skip_the_fence_once_its_own_copy_completed(monkeypatch):
+    # DevicePrefetcher keeps each host batch until its copy's event completed, so their slots go
+    # back at once: waiting on the current stream as well would only keep the workers waiting.
+    from .test_prefetch import FakeEngine
+
+    events = FakeEvents()
+    loader, _ = _fenced_loader(monkeypatch, events)
+    engine = FakeEngine()
+    labels = []
+    for _, y in DevicePrefetcher(loader, depth=1, engine=engine):
+        labels.append(y.tolist())
+        for copy in engine.events:
+            copy.done = True  # every copy issued so far has completed
+    assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    assert events.records == 0 and events.waits == 0, "a prefetched slot went through the fence"
+    gc.collect()
+    st = loader.stats()
+    assert st.arena.slots_free == st.arena.slots_total
 
 
 @pytest.mark.gpu
