@@ -26,7 +26,8 @@ Invariants:
   of the batch lives there (a planned batch) it says so, and the slot is freed at once.
 - Every task sent to a worker is fetched, in order, as torch's workers do (tasks of an abandoned
   epoch too), so dataset-side randomness stays in step with torch; after its IterableDataset
-  replica is exhausted the worker skips tasks until RESUME, as torch's do.
+  replica is exhausted the worker skips tasks until RESUME, as torch's do (a skipped task of an
+  abandoned epoch is still answered DROPPED, so its slot comes back).
 - The worker dies with the main process: a watchdog thread waits on a pidfd of the main process
   and exits the moment it goes. SIGINT is ignored: Ctrl-C is the main process's to handle.
 """
@@ -293,10 +294,10 @@ class _Worker:
             if isinstance(msg, P.Stop):
                 return
             if isinstance(msg, P.Task):
-                if self.iteration_end:
-                    continue  # torch's workers skip tasks once their replica is exhausted
                 if msg.epoch < self.latest_epoch:
-                    self.run_stale_task(msg)
+                    self.run_stale_task(msg)  # answered even past the replica's end: DROPPED
+                elif self.iteration_end:
+                    continue  # torch's workers skip tasks once their replica is exhausted
                 else:
                     self.run_task(msg)
             elif isinstance(msg, P.Resume):
@@ -310,7 +311,12 @@ class _Worker:
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's
         workers fetch every task sent to them (the dataset's and collate's random draws must stay
-        in step with torch's), then dropped without touching its slot."""
+        in step with torch's), then dropped without touching its slot. Past the end of an
+        exhausted replica it is not fetched (torch skips it) but still answered, so the main
+        process frees the slot it was sent with."""
+        if self.iteration_end:
+            self.send(P.Dropped(task.seq, task.epoch, self.cfg.worker_id))
+            return
         try:
             with SlotSession(None):
                 self.fetcher.fetch(task.index)

@@ -15,6 +15,10 @@ a slot, let another process write into a batch the user still holds, or block fo
   700 KiB): the main process must not block writing a TASK while the worker blocks writing its
   READY.
 
+- An IterableDataset with persistent workers whose epoch is abandoned while the worker still
+  has tasks past the end of its replica: those tasks are skipped (as torch's are) yet answered,
+  so their slots come back and ``state_dict()``, which waits for them, returns.
+
 Every loader has ``timeout=``; scenarios in a forked child run under :class:`ForkedChild`, which
 reaps it and reports its stack if it hangs. Each test failed before its fix.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import gc
 import os
 import select
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,3 +190,35 @@ def _big_frames_both_ways() -> dict[str, Any]:
 def test_frames_larger_than_a_pipe_both_ways_do_not_deadlock() -> None:
     report = ForkedChild(_big_frames_both_ways, HANG_S).result()
     assert report["got"] == [[k * BIG_BATCH, BIG_BATCH, True] for k in range(4)]
+
+
+class SlowThree(torch.utils.data.IterableDataset[torch.Tensor]):
+    """Three samples per replica, each slow enough that an abandoned epoch's queued tasks are
+    still waiting when the next epoch begins."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(3):
+            time.sleep(0.2)
+            yield torch.full((1000,), i)
+
+
+def _abandon_an_iterable_epoch_then_save() -> dict[str, Any]:
+    loader = shmloader.DataLoader(
+        SlowThree(), batch_size=1, num_workers=1, prefetch_factor=4, persistent_workers=True
+    )
+    it = iter(loader)
+    next(it)  # then the epoch is abandoned: its worker still has tasks past its 3 samples
+    del it
+    second = [int(b[0, 0]) for b in loader]
+    state = loader.state_dict()  # waits for the abandoned epoch's answers
+    left = states(loader)
+    return {"second": second, "epoch": state["epoch"], "left": left}
+
+
+@pytest.mark.timeout(HANG_S + 30)
+def test_an_abandoned_iterable_epoch_past_the_replicas_end_gives_its_slots_back() -> None:
+    report = ForkedChild(_abandon_an_iterable_epoch_then_save, HANG_S).result()
+    assert report["second"] == [0, 1, 2]
+    assert report["epoch"] == 2
+    left = report["left"]
+    assert (left["writing"], left["ready"], left["lent"]) == (0, 0, 0), left
