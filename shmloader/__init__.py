@@ -41,9 +41,10 @@ def release(batch: Any, loader: DataLoader[Any]) -> int:
     For power users who know no view of the batch will be read again (e.g. after copying it to
     the GPU): the slot is reused at once, so reading a view afterwards shows a later batch's
     bytes. With ``pin_memory=True`` on a GPU, "at once" means once the GPU has passed the copies
-    queued on the current stream so far (:mod:`shmloader.fence`). Returns the number of slots released: 0 if the batch holds none — always with
-    ``num_workers=0``, whose batches are ordinary tensors owning their memory (torch's own path;
-    they are freed when you drop them), and for a batch already released.
+    queued on the current stream so far (:mod:`shmloader.fence`). Returns the number of slots
+    released: 0 if the batch holds none — always with ``num_workers=0``, whose batches are
+    ordinary tensors owning their memory (torch's own path; they are freed when you drop them),
+    and for a batch already released.
 
     Raises ``TypeError`` unless ``loader`` is the :class:`shmloader.DataLoader` that yielded the
     batch (a ``torch.utils.data.DataLoader``'s batches own their memory; nothing to release).

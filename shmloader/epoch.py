@@ -216,10 +216,12 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._receive()
 
     def _receive(self) -> None:
-        """Wait for worker frames and handle every one of them."""
-        d = self._dispatch
+        """Wait for worker frames (unless some read before an interruption are still in the
+        inbox) and handle every one of them."""
+        d, inbox = self._dispatch, self._sup.inbox
+        deaths: list[WorkerDeath] = []
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-        while True:
+        while not inbox and not deaths:
             d.offer()  # slots freed by answers (spares, failures) since the last wait
             blocked = d.blocked_on(d.status.__getitem__)
             if blocked is not None:
@@ -227,13 +229,12 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-            frames, deaths = self._sup.wait(left)
-            for wid, frame in frames:
-                self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
-            if deaths:
-                self._fail(deaths)
-            if frames:
-                return
+            deaths = self._sup.wait(left)
+        while inbox:  # one frame at a time: an interruption leaves the rest for the next call
+            wid, frame = inbox.popleft()
+            self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
+        if deaths:
+            self._fail(deaths)
 
     def _handle(self, wid: int, msg: P.ToMain) -> None:
         d = self._dispatch

@@ -32,8 +32,9 @@ Invariants: frames of one worker arrive in the order sent; every ``TASK`` is ans
 one of ``READY``, ``FAILED``, ``EXHAUSTED``, ``DROPPED``, or a ``NEED_SLOT`` the worker then
 abandons because a ``RESUME`` or ``STOP`` came instead of the answer -- unless the worker is told
 to ``STOP``, dies, or its replica is already exhausted and the task is of the current epoch
-(then it answers nothing and the main process reclaims the slot). Every ``NEED_SLOT`` is answered by ``GRANT`` (possibly of the slot
-the task already has) or ``DENY``, unless its epoch was abandoned. ``epoch`` tags let the main
+(then it answers nothing and the main process reclaims the slot). Every ``NEED_SLOT`` is
+answered by ``GRANT`` (possibly of the slot the task already has) or ``DENY``, unless its epoch
+was abandoned. ``epoch`` tags let the main
 process release the slots of tasks of an abandoned epoch as their answers arrive.
 """
 

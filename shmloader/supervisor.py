@@ -28,6 +28,7 @@ import select
 import signal
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -88,6 +89,7 @@ class Supervisor:
         self._bufs: list[bytearray] = [bytearray() for _ in configs]  # bytes read, not yet cut
         self._wfds: list[int] = []  # the pipes' descriptors (non-blocking)
         self._outbox: list[bytearray] = [bytearray() for _ in configs]  # bytes not yet written
+        self.inbox: deque[tuple[int, bytes]] = deque()  # (worker id, frame) read, not yet handled
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
@@ -211,13 +213,16 @@ class Supervisor:
                     self._fds[p.sentinel] = (wid, False)
         return self._poll
 
-    def wait(self, timeout: float | None) -> tuple[list[tuple[int, bytes]], list[WorkerDeath]]:
-        """Frames that arrived (worker id, frame), and workers found dead, within ``timeout``.
+    def wait(self, timeout: float | None) -> list[WorkerDeath]:
+        """Wait up to ``timeout`` for frames, which go to :attr:`inbox` as (worker id, frame);
+        returns the workers found dead.
 
         One ``poll``, then one ``read`` per readable pipe, which may bring several frames (they
-        are cut from a per-worker buffer; a partial frame waits there for the rest)."""
+        are cut from a per-worker buffer; a partial frame waits there for the rest). Frames stay
+        in the inbox until their reader takes them, so an exception (Ctrl-C) while they are
+        handled loses none of those not yet taken."""
         poller = self._poller()
-        frames: list[tuple[int, bytes]] = []
+        frames = self.inbox
         suspect = False
         ms = None if timeout is None else max(0, int(timeout * 1000))
         for fd, events in poller.poll(ms):
@@ -243,7 +248,7 @@ class Supervisor:
             buf += data
             for frame in cut_frames(buf):
                 frames.append((wid, frame))
-        return frames, (self.deaths() if suspect else [])
+        return self.deaths() if suspect else []
 
     def kill(self) -> None:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker

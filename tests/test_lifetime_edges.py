@@ -19,6 +19,10 @@ a slot, let another process write into a batch the user still holds, or block fo
   has tasks past the end of its replica: those tasks are skipped (as torch's are) yet answered,
   so their slots come back and ``state_dict()``, which waits for them, returns.
 
+- Ctrl-C landing between two frames the main process read in one wake-up: the frames not yet
+  handled stay in the supervisor's inbox and are handled by the next ``next()``, so the epoch
+  completes and ``state_dict()`` returns.
+
 Every loader has ``timeout=``; scenarios in a forked child run under :class:`ForkedChild`, which
 reaps it and reports its stack if it hangs. Each test failed before its fix.
 """
@@ -221,4 +225,36 @@ def test_an_abandoned_iterable_epoch_past_the_replicas_end_gives_its_slots_back(
     assert report["second"] == [0, 1, 2]
     assert report["epoch"] == 2
     left = report["left"]
+    assert (left["writing"], left["ready"], left["lent"]) == (0, 0, 0), left
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_between_frames_loses_none_of_them(monkeypatch) -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(64, 64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    sup = it._sup
+    deadline = time.monotonic() + LOADER_TIMEOUT_S
+    while len(sup.inbox) < 2 and time.monotonic() < deadline:
+        sup.wait(deadline - time.monotonic())  # both workers' first answers, read at once
+    assert len(sup.inbox) >= 2
+    handle = type(it)._handle
+
+    def interrupted_after_one(self, wid, msg):
+        handle(self, wid, msg)
+        monkeypatch.undo()
+        raise KeyboardInterrupt  # as if Ctrl-C landed right after the first frame
+
+    monkeypatch.setattr(type(it), "_handle", interrupted_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert len(sup.inbox) >= 1, "the frames not yet handled are still there"
+    batches = list(it)  # the same iterator goes on: nothing is missing or waits forever
+    assert [y.tolist() for _, y in batches] == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    assert all(batch_ok(x, y, k, 64) for k, (x, y) in enumerate(batches))
+    del batches
+    gc.collect()
+    assert loader.state_dict()["epoch"] == 1
+    left = states(loader)
     assert (left["writing"], left["ready"], left["lent"]) == (0, 0, 0), left
