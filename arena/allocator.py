@@ -16,8 +16,9 @@ Invariants:
   ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would pass
   the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
   fitting class, with as many slots as that class has already (at least ``slots_per_slab``;
-  cut to the room under the cap), so a class grows geometrically. ``acquire`` always prefers
-  the smallest class that fits.
+  cut to the room under the cap), so a class grows geometrically; when not even one slot of
+  that class fits under the cap, it creates the class ``page_align(n)`` instead. ``acquire``
+  always prefers the smallest class that fits.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
 - Thread safety: every method takes one lock. The lock is never taken from a garbage-collector
@@ -161,6 +162,8 @@ class Arena:
         fitting = self._classes[bisect.bisect_left(self._classes, need) :]
         if fitting:
             size = fitting[0]
+            if size > room:
+                size = need  # at the cap: a slab of just this size, if that still fits
         else:
             size = max(need, 2 * self._classes[-1]) if self._classes else need
             if size > room:

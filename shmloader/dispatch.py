@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from arena import ArenaCapacityError, ArenaExhaustedError, SlotRef
+from arena._layout import page_align
 from shmloader import protocol as P
 from shmloader.host import ArenaHost
 from shmloader.reorder import TaskInfo, TaskTable
@@ -245,8 +246,23 @@ class Dispatch:
         self.wanting[info.seq] = msg.nbytes
         self.asked.add(info.seq)
         self.offer()
-        if info.seq in self.wanting and not self.arena.has_class_for(msg.nbytes):
+        if (
+            info.seq in self.wanting
+            and not self.arena.has_class_for(msg.nbytes)
+            and self._may_grow_ahead(info, msg.nbytes)
+        ):
             self._grow_for(info, msg.nbytes)  # a new size: nothing in use could ever fit it
+
+    def _may_grow_ahead(self, info: TaskInfo[Answer], nbytes: int) -> bool:
+        """Whether a batch asking for a new size class gets a slab at once. The batch the
+        consumer needs next always does; a later one only while the cap is far off (room for
+        two such slabs), so that near the cap growth goes to the batch needed next, which gets
+        it from :meth:`unblock` at its turn."""
+        if not self.in_order or self.tasks.get(self.tasks.rcvd) is info:
+            return True
+        st = self.arena.stats()
+        slab = page_align(nbytes) * self.arena.slots_per_slab
+        return st.max_bytes - st.bytes_reserved >= 2 * slab
 
     def offer(self) -> None:
         """Give free slots to the tasks waiting for one, in sampler order: a decided task is
@@ -346,7 +362,8 @@ class Dispatch:
     def unblock(self, seq: int) -> None:
         """Find a slot for task ``seq``: wait for the GPU's copies from slots the copy fence
         holds; grow the arena; at its cap give back idle slabs of other sizes; then collect
-        garbage (views caught in reference cycles); else raise."""
+        garbage (views caught in reference cycles); then, for a task whose size is only the
+        largest seen, send it without a slot to be measured; else raise."""
         info = self.tasks.get(seq)
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
@@ -367,6 +384,11 @@ class Dispatch:
                     return
             if step not in ("drain", "settle") and self._grow_for(info, nbytes):
                 return
+        if seq in self.unsent and seq not in self.asked:
+            # Its size was only a guess (the largest batch so far): let its worker measure it
+            # and ask for exactly what it needs, which may well fit.
+            self.sup.send(info.worker_id, P.Task(seq, self.epoch, None, self.unsent.pop(seq)))
+            return
         raise self._exhausted(seq, nbytes)
 
     def _revoke_unstarted(self) -> None:

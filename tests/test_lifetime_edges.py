@@ -23,6 +23,10 @@ a slot, let another process write into a batch the user still holds, or block fo
   handled stay in the supervisor's inbox and are handled by the next ``next()``, so the epoch
   completes and ``state_dict()`` returns.
 
+- Tight caps with one outsized batch: the next batch's worker asked first for the new size and
+  took the only room for it, so the batch the consumer needed next could not move; and after an
+  outsized batch every task asked for a slot of its size, so small batches no longer fit.
+
 Every loader has ``timeout=``; scenarios in a forked child run under :class:`ForkedChild`, which
 reaps it and reports its stack if it hangs. Each test failed before its fix.
 """
@@ -42,7 +46,7 @@ import torch
 import shmloader
 from tests.forked import ForkedChild
 from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, states
-from tests.lifetime_datasets import TorchRows
+from tests.lifetime_datasets import SizedRows, TorchRows
 
 HANG_S = 20.0
 LOADER_TIMEOUT_S = 10
@@ -258,3 +262,47 @@ def test_an_interruption_between_frames_loses_none_of_them(monkeypatch) -> None:
     assert loader.state_dict()["epoch"] == 1
     left = states(loader)
     assert (left["writing"], left["ready"], left["lent"]) == (0, 0, 0), left
+
+
+MIB = 1 << 20
+
+
+class SlowAt(SizedRows):
+    """A :class:`SizedRows` whose sample ``slow`` costs about half a second of CPU (no sleep)."""
+
+    def __init__(self, n: int, schedule: list[tuple[int, int]], slow: int) -> None:
+        super().__init__(n, schedule)
+        self.slow = slow
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.slow:
+            h = i
+            for _ in range(3_000_000):
+                h = (h * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+            assert h >= 0
+        return super().__getitem__(i)
+
+
+@frees_its_loaders_on_failure
+def test_at_the_cap_a_new_size_goes_to_the_batch_needed_next() -> None:
+    # Batches 4 and 5 are 4 MiB and the cap has room for one such slot; batch 4 is slow, so
+    # batch 5's worker asks for that size first. The room must still go to batch 4.
+    data = SlowAt(12, [(0, 4096), (4, 4 * MIB), (6, 4096)], slow=4)
+    loader = shmloader.DataLoader(
+        data, batch_size=1, num_workers=2, arena_max_bytes=4 * MIB + 600 * 1024, timeout=20
+    )
+    it = iter(loader)
+    sizes = [next(it).numel() for _ in range(12)]  # nothing held while the next one comes
+    assert sizes == [data.width_of(i) for i in range(12)]
+
+
+@frees_its_loaders_on_failure
+def test_after_an_outsized_batch_small_batches_still_fit_under_the_cap() -> None:
+    # One 4 MiB batch among 64 KiB ones; the loop variable holds one batch while the next is
+    # fetched, and 600 KiB is left under the cap beside the 4 MiB slot.
+    data = SizedRows(16, [(0, 64 * 1024), (5, 4 * MIB), (6, 64 * 1024)])
+    loader = shmloader.DataLoader(
+        data, batch_size=1, num_workers=1, arena_max_bytes=4 * MIB + 600 * 1024, timeout=20
+    )
+    sizes = [b.numel() for b in loader]
+    assert sizes == [data.width_of(i) for i in range(16)]

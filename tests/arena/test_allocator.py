@@ -394,3 +394,19 @@ def test_repr_shows_backend_reserved_and_cap(arena):
     assert f"reserved={2 * PAGE:,}" in text
     assert f"max_bytes={64 * PAGE:,}" in text
     assert "slabs=1" in text
+
+
+def test_at_the_cap_a_small_request_gets_a_class_of_its_own_when_the_fitting_class_cannot_grow():
+    mib = 1 << 20
+    arena = Arena(max_bytes=4 * mib + 600 * 1024, slots_per_slab=1)
+    try:
+        big = arena.acquire(4 * mib)
+        assert big is not None
+        small = arena.acquire(64 * 1024)  # the 4 MiB class fits it, but no 4 MiB slab fits
+        assert small is not None and arena.slot_size(small) == 64 * 1024
+        assert arena.stats().slot_sizes == (64 * 1024, 4 * mib)
+        assert arena.stats().bytes_reserved <= arena.max_bytes
+        arena.release(small)
+        arena.release(big)
+    finally:
+        arena.close()
