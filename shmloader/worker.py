@@ -145,6 +145,7 @@ class _Worker:
         self.fd = conn.fileno()
         self.frames = FrameReader(self.fd)
         self.slabs: dict[int, Slab] = {}
+        self.unattached: dict[int, OSError] = {}  # slab id -> why it could not be mapped
         self.inbox: deque[P.ToWorker] = deque()
         self.iteration_end = False
         self.latest_epoch = 0
@@ -230,11 +231,14 @@ class _Worker:
         if isinstance(msg, P.Attach):
             try:
                 self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
-            except OSError:
+            except OSError as e:
                 if not _alive(self.cfg.main_pid):
                     return P.Stop()  # the main process is gone: nothing left to load for
-                raise
+                # Most likely the arena gave the slab back before this worker got here (its
+                # DETACH follows); if a task names it after all, that task fails with this.
+                self.unattached[msg.spec.slab_id] = e
         elif isinstance(msg, P.Detach):
+            self.unattached.pop(msg.slab_id, None)
             slab = self.slabs.pop(msg.slab_id, None)
             for key in [k for k in self.views if k[0] == msg.slab_id]:
                 del self.views[key]
@@ -270,6 +274,9 @@ class _Worker:
         key = (ref.slab_id, ref.slot)
         view = self.views.get(key)
         if view is None:
+            failed = self.unattached.get(ref.slab_id)
+            if failed is not None:
+                raise failed
             view = self.views[key] = SlotView.of(self.slabs[ref.slab_id].slot_buffer(ref.slot))
         return view
 
@@ -284,7 +291,10 @@ class _Worker:
             self.rng.publish(self.cfg.worker_id, task.epoch, task.seq)
         frame = P.ready(task.seq, task.epoch, self.cfg.worker_id, desc)
         if len(frame) <= SMALL_FRAME:  # one write, header in front, as send_bytes frames it
-            os.write(self.fd, HEADER.pack(len(frame)) + frame)
+            data = HEADER.pack(len(frame)) + frame
+            n = os.write(self.fd, data)
+            while n < len(data):  # a signal cut the write short: send the rest
+                n += os.write(self.fd, memoryview(data)[n:])
         else:
             self.conn.send_bytes(frame)
 
@@ -342,8 +352,8 @@ class _Worker:
             self.revoked.discard((task.epoch, task.seq))
             ref = None
         ref = ref or self.take_grant(task.epoch, task.seq)
-        slot = self.slot(ref)
         try:
+            slot = self.slot(ref)
             with SlotSession(slot) as session:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
