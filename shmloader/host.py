@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -75,7 +76,10 @@ def _close(pid: int, pinner: Pinner, arena: Arena, fence: CopyFence | None) -> N
         return  # inherited through fork(): the owner closes its own
     try:
         if fence:
-            fence.settle()  # copies still queued from the slabs finish before they are unlocked
+            # Copies still queued from the slabs finish before they are unlocked. At interpreter
+            # exit CUDA may already be gone; then there is nothing left to wait for.
+            with contextlib.suppress(Exception):
+                fence.settle()
         pinner.close()
     finally:
         arena.close()
