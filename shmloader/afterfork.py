@@ -74,12 +74,22 @@ def _before() -> None:
     _fork.pipe = None if _skip or not _lent(os.getpid()) else os.pipe()
 
 
-def _in_child() -> None:
-    pipe, _fork.pipe = getattr(_fork, "pipe", None), None
+def _my_end(child: bool) -> int | None:
+    """This side's end of the handshake pipe made before the fork (the other end closed here):
+    the child writes, the parent reads. None when no pipe was made (nothing to copy)."""
+    pipe: tuple[int, int] | None = getattr(_fork, "pipe", None)
+    _fork.pipe = None
     if pipe is None:
-        return
+        return None
     r, w = pipe
-    os.close(r)
+    os.close(r if child else w)
+    return w if child else r
+
+
+def _in_child() -> None:
+    w = _my_end(child=True)
+    if w is None:
+        return
     try:
         for addr, nbytes in _lent(os.getppid()):
             privatize(addr, nbytes)
@@ -89,11 +99,9 @@ def _in_child() -> None:
 
 
 def _in_parent() -> None:
-    pipe, _fork.pipe = getattr(_fork, "pipe", None), None
-    if pipe is None:
+    r = _my_end(child=False)
+    if r is None:
         return
-    r, w = pipe
-    os.close(w)
     try:
         if select.select([r], [], [], COPY_WAIT_S)[0]:
             os.read(r, 1)  # the child's byte, or EOF: it died before copying
