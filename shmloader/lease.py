@@ -165,7 +165,7 @@ class Leases:
         slot."""
         self.drain()
         n = 0
-        for obj in _leaves_in(batch):
+        for obj in leaves_in(batch):
             key, ptr = _key_of(obj)
             lease = self._by_key.get(key)
             if lease is None or id(lease) not in self._live or not lease.lo <= ptr < lease.hi:
@@ -192,7 +192,7 @@ def _key_of(obj: torch.Tensor | np.ndarray) -> tuple[int, int]:
     return id(base), ptr
 
 
-def _leaves_in(obj: Any) -> list[torch.Tensor | np.ndarray]:
+def leaves_in(obj: Any) -> list[torch.Tensor | np.ndarray]:
     """Tensors and arrays reachable through dicts, lists, tuples and object attributes."""
     out: list[torch.Tensor | np.ndarray] = []
     stack, seen = [obj], set()

@@ -16,9 +16,10 @@ Invariants:
   wait for slots held here.
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
-  under an in-flight DMA (FFCV and SPDL do the same). A shmloader ``DataLoader`` then gets its
-  slots back at once (``_copies_done``), without the wait on the current stream that the copy
-  fence (:mod:`shmloader.fence`) applies to batches whose copies it cannot see.
+  under an in-flight DMA (FFCV and SPDL do the same). When the device batch shares nothing with
+  it (every leaf a tensor that was copied), a shmloader ``DataLoader`` then gets its slots back
+  at once (``_copies_done``), without the wait on the current stream that the copy fence
+  (:mod:`shmloader.fence`) applies to batches whose copies it cannot see.
 - Device tensors handed out are marked as used by the consumer stream (``record_stream``), so the
   caching allocator does not reuse their memory while the consumer still reads them.
 - The CUDA calls sit behind :class:`CopyEngine`; tests pass a fake that records calls.
@@ -33,6 +34,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+
+from shmloader.lease import leaves_in
 
 _END = object()  # the loader is exhausted
 
@@ -164,8 +167,20 @@ class DevicePrefetcher:
         retiring.append((host, event))
         del host
         while retiring and retiring[0][1].query():
-            done(retiring.popleft()[0])  # that copy is done: the host batch (and its slot) may go
+            host = retiring.popleft()[0]  # that copy is done: the host batch (and its slot) may go
+            if done is not _drop and _copied_whole(host):
+                done(host)
         return device_batch
+
+
+def _copied_whole(batch: Any) -> bool:
+    """Whether the device copy of ``batch`` shares nothing with it: every tensor and array in it
+    is a tensor that :func:`map_tensors` copies. A NumPy leaf, or a tensor inside an object it
+    does not walk (a custom batch class), reaches the user as it is, still a view of the slot."""
+    copied: list[int] = []
+    map_tensors(batch, lambda t: copied.append(id(t)))
+    leaves = leaves_in(batch)
+    return len(leaves) == len(copied) and {id(x) for x in leaves} == set(copied)
 
 
 def _drop(batch: Any) -> None:

@@ -164,6 +164,31 @@ def test_a_prefetchers_host_batches_skip_the_fence_once_its_own_copy_completed(m
     assert st.arena.slots_free == st.arena.slots_total
 
 
+def squares_with_numpy_rows(samples):
+    """A tensor leaf and a NumPy leaf, both in the slot; a prefetcher copies only the tensor."""
+    x = torch.stack([s for s, _ in samples])
+    return {"x": x, "rows": x.numpy()[:, 0, 0]}
+
+
+@frees_its_loaders_on_failure
+def test_a_prefetcher_keeps_the_fence_for_batches_whose_leaves_reach_the_user_uncopied(
+    monkeypatch,
+):
+    from .test_prefetch import FakeEngine
+
+    events = FakeEvents()
+    loader, _ = _fenced_loader(monkeypatch, events, collate_fn=squares_with_numpy_rows)
+    engine = FakeEngine()
+    kept = []
+    for k, batch in enumerate(DevicePrefetcher(loader, depth=1, engine=engine)):
+        kept.append((k, batch["rows"]))  # the NumPy leaf is the host batch's own, in its slot
+        for copy in engine.events:
+            copy.done = True
+        events.complete_all()  # and every copy the fence waits for has passed
+    wrong = [k for k, rows in kept if rows.tolist() != [4.0 * k + j for j in range(4)]]
+    assert len(kept) == 16 and wrong == [], f"kept rows of batches {wrong} were overwritten"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_non_blocking_copies_behind_a_busy_stream_see_their_own_batch_on_a_real_gpu():
