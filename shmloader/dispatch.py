@@ -369,8 +369,10 @@ class Dispatch:
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
         for step in ("drain", "settle", "grow", "give back", "collect"):
+            settled = 0
             if step == "settle":
-                if not leases.settle():
+                settled = leases.settle()
+                if not settled:
                     continue
             elif step == "give back":
                 self._revoke_unstarted()
@@ -378,7 +380,9 @@ class Dispatch:
                     self._forget_slab(slab_id)
             elif step == "collect":
                 gc.collect()
-            if leases.drain() or step == "settle":
+                if leases.fence is not None:  # what it freed goes behind the fence: wait for it
+                    settled = leases.drain() + leases.settle()
+            if leases.drain() or settled:
                 self.offer()
                 if seq not in self.wanting and seq not in self.unsent:
                     return

@@ -48,7 +48,12 @@ class _CudaEvent:
     def __init__(self, device: str | None) -> None:
         import torch
 
-        self._device = torch.device(device) if device and device.startswith("cuda") else None
+        # An event records only on a stream of the device it was made on: fix that device now
+        # (the named one, else the current one), so an event reused later matches its stream.
+        if device and device.startswith("cuda:"):
+            self._device = torch.device(device)
+        else:
+            self._device = torch.device("cuda", torch.cuda.current_device())
         # blocking: a wait in settle() sleeps instead of spinning on a core the workers need
         self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
 
@@ -65,8 +70,8 @@ class _CudaEvent:
 
 
 def cuda_events(device: str | None) -> EventFactory:
-    """Events on the current stream of ``device`` (a ``cuda`` device name), or of the current
-    device when ``device`` names none."""
+    """Events on the current stream of ``device`` (a ``cuda:N`` device name), or of the device
+    current when the first event is made, when ``device`` names no index."""
     return lambda: _CudaEvent(device)
 
 
@@ -88,8 +93,10 @@ class CopyFence:
 
     def hold(self, refs: list[SlotRef]) -> None:
         """Hold ``refs`` until the GPU has passed everything queued on the stream so far."""
-        event = self._spare.pop() if self._spare else self._events()
-        event.record()
+        event = self._spare[-1] if self._spare else self._events()
+        event.record()  # if this raises, nothing is held and the caller keeps its refs
+        if self._spare and self._spare[-1] is event:
+            self._spare.pop()
         self._held.append((event, refs))
 
     def passed(self) -> list[SlotRef]:
@@ -106,8 +113,9 @@ class CopyFence:
         """Every held slot, after waiting for the GPU to pass their events."""
         out: list[SlotRef] = []
         while self._held:
-            event, refs = self._held.popleft()
-            event.synchronize()
+            event, refs = self._held[0]
+            event.synchronize()  # if this raises, the group stays held
+            self._held.popleft()
             self._spare.append(event)
             out += refs
         return out

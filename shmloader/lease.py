@@ -129,16 +129,22 @@ class Leases:
             if isinstance(x, Lease):
                 if id(x) not in live:
                     continue  # released early already
-                self._forget(x)
                 if fence is not None and self._fenced(x.slot.slab_id):
-                    held.append(x.slot)
-                else:
-                    n += self.arena.release(x.slot)
+                    held.append(x)
+                    continue
+                self._forget(x)
+                n += self.arena.release(x.slot)
             else:
                 n += self.arena.release(x)  # a slot never lent: no copy can read it
         if fence is not None:
             if held:
-                fence.hold(held)
+                try:
+                    fence.hold([x.slot for x in held])
+                except BaseException:
+                    dead.extend(held)  # no event recorded: the next drain tries again
+                    raise
+                for x in held:
+                    self._forget(x)
             if fence:
                 for ref in fence.passed():
                     n += self.arena.release(ref)

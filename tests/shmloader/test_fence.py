@@ -164,6 +164,59 @@ def test_a_prefetchers_host_batches_skip_the_fence_once_its_own_copy_completed(m
     assert st.arena.slots_free == st.arena.slots_total
 
 
+@frees_its_loaders_on_failure
+def test_at_the_cap_batches_freed_only_by_the_garbage_collector_pass_the_fence(monkeypatch):
+    # Every batch dies inside a reference cycle, with automatic collection off: only unblock's
+    # gc.collect() frees them, and then only behind the fence, which it must wait for.
+    events = FakeEvents()
+    probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
+    next(iter(probe))
+    slot = probe.stats().arena.slot_sizes[0]
+    del probe
+    loader, _ = _fenced_loader(
+        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4
+    )
+    labels = []
+    gc.disable()
+    try:
+        for x, y in loader:
+            labels.append(y.tolist())
+            cycle = [x, y]
+            cycle.append(cycle)
+            del x, y, cycle
+    finally:
+        gc.enable()
+    assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+
+
+class FailsOnce(FakeEvents):
+    """Fake events whose first ``record`` raises, as a CUDA error would."""
+
+    def __call__(self):
+        event = super().__call__()
+        if len(self.made) == 1:
+
+            def broken():
+                event.record = type(event).record.__get__(event)
+                raise RuntimeError("Event device does not match recording stream's device")
+
+            event.record = broken
+        return event
+
+
+def test_an_event_that_cannot_be_recorded_loses_no_slot(arena):
+    events = FailsOnce()
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    leases = Leases(arena, CopyFence(events))
+    out = leases.open(desc)
+    del out
+    with pytest.raises(RuntimeError, match="does not match"):
+        leases.drain()
+    assert arena.state(ref) is SlotState.LENT
+    assert leases.drain() == 0 and leases.fence.held == 1  # the next drain holds it
+    assert leases.settle() == 1 and arena.state(ref) is SlotState.FREE
+
+
 def squares_with_numpy_rows(samples):
     """A tensor leaf and a NumPy leaf, both in the slot; a prefetcher copies only the tensor."""
     x = torch.stack([s for s, _ in samples])
