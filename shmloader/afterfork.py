@@ -6,9 +6,9 @@ module the child would see the next batch written there. torch's child keeps its
 batches are shared-memory files never reused, or private memory copied on write); so here, right
 after a fork, the child replaces the slot of every batch its parent was lending by a private
 copy of the same bytes (:func:`arena.privatize`), and the parent's ``fork()`` returns only once
-the child has done so (or has died, or :data:`COPY_WAIT_S` passed: then it warns). A child that
-never reads the batches, such as another DataLoader's worker, pays that copy too: the held
-batches' bytes, once per child.
+the child has done so or has died (it warns if the copy failed, or took over
+:data:`COPY_WAIT_S`). A child that never reads the batches, such as another DataLoader's
+worker, pays that copy too: the held batches' bytes, once per child.
 
 Invariants:
 - Only slots lent by the forking process are copied (a grandchild's copies came with its parent),
@@ -71,12 +71,16 @@ def _lent(pid: int) -> list[tuple[int, int]]:
 
 
 def _before() -> None:
-    _fork.pipe = None if _skip or not _lent(os.getpid()) else os.pipe()
+    _fork.copy = not _skip and bool(_lent(os.getpid()))
+    _fork.pipe = None
+    if _fork.copy:
+        with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child still
+            _fork.pipe = os.pipe()  # copies, but the parent cannot wait for it
 
 
 def _my_end(child: bool) -> int | None:
     """This side's end of the handshake pipe made before the fork (the other end closed here):
-    the child writes, the parent reads. None when no pipe was made (nothing to copy)."""
+    the child writes, the parent reads. None when no pipe was made."""
     pipe: tuple[int, int] | None = getattr(_fork, "pipe", None)
     _fork.pipe = None
     if pipe is None:
@@ -87,34 +91,45 @@ def _my_end(child: bool) -> int | None:
 
 
 def _in_child() -> None:
+    copy, _fork.copy = getattr(_fork, "copy", False), False
     w = _my_end(child=True)
-    if w is None:
+    if not copy:
         return
+    done = b"x"  # copying failed: the parent warns
     try:
         for addr, nbytes in _lent(os.getppid()):
             privatize(addr, nbytes)
+        done = b"c"
     finally:
-        os.write(w, b"c")
-        os.close(w)
+        if w is not None:
+            with contextlib.suppress(OSError):
+                os.write(w, done)
+            os.close(w)
 
 
 def _in_parent() -> None:
+    _fork.copy = False
     r = _my_end(child=False)
     if r is None:
         return
     try:
-        if select.select([r], [], [], COPY_WAIT_S)[0]:
-            os.read(r, 1)  # the child's byte, or EOF: it died before copying
-        else:
-            warnings.warn(
-                f"a process forked while batches were held did not copy them within "
-                f"{COPY_WAIT_S:.0f} s (is it stopped?); once you drop those batches, it may see "
-                "later batches in their place. Drop or .clone() batches before forking.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        poller = select.poll()  # not select(): descriptors past 1024 are common in big jobs
+        poller.register(r, select.POLLIN)
+        if not poller.poll(int(COPY_WAIT_S * 1000)):
+            _warn(f"did not copy them within {COPY_WAIT_S:.0f} s (is it stopped?)")
+        elif os.read(r, 1) == b"x":  # (EOF: the child died first, and holds nothing)
+            _warn("could not copy them (out of memory?)")
     finally:
         os.close(r)
+
+
+def _warn(what: str) -> None:
+    warnings.warn(
+        f"a process forked while batches were held {what}; once you drop those batches, it may "
+        "see later batches in their place. Drop or .clone() batches before forking.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 os.register_at_fork(before=_before, after_in_parent=_in_parent, after_in_child=_in_child)

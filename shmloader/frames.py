@@ -59,6 +59,7 @@ class FrameReader:
         self.fd = fd
         self._buf = bytearray()
         self._frames: deque[bytes] = deque()
+        self._poll: select.poll | None = None
 
     def next(self) -> bytes | None:
         """The next frame, waiting for it; None at end of file (the other end closed)."""
@@ -70,8 +71,10 @@ class FrameReader:
     def ready(self) -> bool:
         """Whether a frame can be had without waiting (reads what the pipe holds, if anything)."""
         while not self._frames:
-            readable, _, _ = select.select([self.fd], [], [], 0)
-            if not readable or not self._fill():
+            if self._poll is None:  # (not select(): descriptors past 1024 are common)
+                self._poll = select.poll()
+                self._poll.register(self.fd, select.POLLIN)
+            if not self._poll.poll(0) or not self._fill():
                 return False
         return True
 

@@ -124,7 +124,9 @@ def _exit_when_main_exits(main_pid: int) -> None:
             except ProcessLookupError:
                 os._exit(1)
             threading.Event().wait(0.2)
-    select.select([pidfd], [], [])
+    watch = select.poll()  # (not select(): descriptors past 1024 are common in big jobs)
+    watch.register(pidfd, select.POLLIN)
+    watch.poll()
     os._exit(1)
 
 

@@ -72,7 +72,7 @@ class ForkedChild:
         try:
             while True:
                 left = self.started + self.timeout + 5.0 - time.monotonic()
-                ready, _, _ = select.select([self._out], [], [], max(0.0, left))
+                ready = _readable(self._out, max(0.0, left))
                 if not ready:
                     break
                 chunk = os.read(self._out, 1 << 16)
@@ -82,7 +82,7 @@ class ForkedChild:
         finally:
             hung = not chunks
             if hung:
-                with_stack = select.select([self._err], [], [], 0)[0]
+                with_stack = _readable(self._err, 0.0)
                 stack = os.read(self._err, 1 << 16).decode(errors="replace") if with_stack else ""
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
@@ -99,6 +99,13 @@ class ForkedChild:
         if "error" in report:
             raise AssertionError(f"the scenario raised in the child:\n{report['error']}")
         return report["result"]
+
+
+def _readable(fd: int, seconds: float) -> bool:
+    """Whether ``fd`` becomes readable within ``seconds`` (poll: any descriptor number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(seconds * 1000)))
 
 
 def _unlink_names_of(pid: int) -> None:

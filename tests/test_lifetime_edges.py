@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import select
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -126,8 +128,40 @@ def test_a_forked_child_cannot_take_batches_from_the_iterator_it_inherited() -> 
     assert wrong == [], f"held batches {wrong} show other batches' rows"
 
 
+@pytest.fixture(params=["few-descriptors", "past-1024-descriptors"])
+def descriptors(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Either as is, or with more than 1,024 descriptors open (select() cannot wait on those;
+    large training jobs often have that many)."""
+    if request.param == "few-descriptors":
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} descriptors (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fds = []
+    try:
+        with open(os.devnull) as f:
+            fds = [os.dup(f.fileno()) for _ in range(1100)]
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _wait_readable(fd: int, seconds: float) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(int(seconds * 1000))
+
+
 @frees_its_loaders_on_failure
-def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slot() -> None:
+def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slot(
+    descriptors: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unraisable: list[str] = []  # an exception in a fork hook is only "ignored": catch it
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
     loader = shmloader.DataLoader(
         TorchRows(400, 256), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
     )
@@ -138,7 +172,7 @@ def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slo
 
     def child_body() -> dict[str, Any]:
         os.close(go_w)
-        select.select([go_r], [], [], HANG_S)  # until the parent has rewritten the slot
+        _wait_readable(go_r, HANG_S)  # until the parent has rewritten the slot
         x, y = held[0]
         return {"ok": batch_ok(x, y, 0, 256), "first": x[0, 0].item()}
 
@@ -158,6 +192,7 @@ def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slo
     finally:
         os.close(go_w)
         report = child.result()
+    assert unraisable == [], f"a fork hook failed: {unraisable}"
     assert reused_by is not None, "no later batch reused the slot of batch 0"
     assert report["ok"], f"the child's batch 0 shows {report['first']} (batch {reused_by} rows)"
 
