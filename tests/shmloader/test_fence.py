@@ -39,12 +39,17 @@ def test_held_slots_pass_in_order_once_their_event_completes(arena):
     arena.release(b)
 
 
+def _a_batch_lent_and_dropped(arena, events):
+    """Leases with a fence over ``events``, and the slot of a batch lent and then dropped."""
+    _, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    leases = Leases(arena, CopyFence(events))
+    leases.open(desc)  # the batch is dropped at once: its lease is dead, not yet drained
+    return leases, ref
+
+
 def test_a_dead_batch_keeps_its_slot_until_the_gpu_has_passed_its_copies(arena):
     events = FakeEvents()
-    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
-    leases = Leases(arena, CopyFence(events))
-    out = leases.open(desc)
-    del out
+    leases, ref = _a_batch_lent_and_dropped(arena, events)
     assert leases.drain() == 0 and events.records == 1
     assert arena.state(ref) is SlotState.LENT and leases.held == 0  # held, not the user's
     assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT
@@ -95,6 +100,18 @@ def _fenced_loader(monkeypatch, events, **kwargs):
     return loader, host
 
 
+def _fenced_loader_of_four_slots(monkeypatch, events):
+    """A fenced loader whose cap allows one slab of 4 slots and nothing more."""
+    probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
+    next(iter(probe))
+    slot = probe.stats().arena.slot_sizes[0]
+    del probe
+    loader, _ = _fenced_loader(
+        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4
+    )
+    return loader
+
+
 @frees_its_loaders_on_failure
 def test_a_loader_reuses_a_page_locked_slot_only_after_its_copies(monkeypatch):
     events = FakeEvents()
@@ -130,13 +147,7 @@ def test_at_the_arena_cap_the_loader_waits_for_the_gpu_instead_of_failing(monkey
     # One slab of 4 slots is all the cap allows; every batch is dropped at once, yet no event
     # completes by itself: only waiting for the GPU (settle) gives the slots back.
     events = FakeEvents()
-    probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
-    next(iter(probe))
-    slot = probe.stats().arena.slot_sizes[0]
-    del probe
-    loader, _ = _fenced_loader(
-        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4
-    )
+    loader = _fenced_loader_of_four_slots(monkeypatch, events)
     labels = [y.tolist() for x, y in loader]
     assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
     assert events.waits > 0, "the slots came back without waiting for the GPU"
@@ -169,13 +180,7 @@ def test_at_the_cap_batches_freed_only_by_the_garbage_collector_pass_the_fence(m
     # Every batch dies inside a reference cycle, with automatic collection off: only unblock's
     # gc.collect() frees them, and then only behind the fence, which it must wait for.
     events = FakeEvents()
-    probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
-    next(iter(probe))
-    slot = probe.stats().arena.slot_sizes[0]
-    del probe
-    loader, _ = _fenced_loader(
-        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4
-    )
+    loader = _fenced_loader_of_four_slots(monkeypatch, events)
     labels = []
     gc.disable()
     try:
@@ -206,10 +211,7 @@ class FailsOnce(FakeEvents):
 
 def test_an_event_that_cannot_be_recorded_loses_no_slot(arena):
     events = FailsOnce()
-    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
-    leases = Leases(arena, CopyFence(events))
-    out = leases.open(desc)
-    del out
+    leases, ref = _a_batch_lent_and_dropped(arena, events)
     with pytest.raises(RuntimeError, match="does not match"):
         leases.drain()
     assert arena.state(ref) is SlotState.LENT
