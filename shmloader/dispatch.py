@@ -368,25 +368,20 @@ class Dispatch:
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
-        for step in ("drain", "settle", "grow", "give back", "collect"):
-            settled = 0
-            if step == "settle":
-                settled = leases.settle()
-                if not settled:
-                    continue
-            elif step == "give back":
+        for step in ("drain", "grow", "give back", "collect"):
+            if step == "give back":
                 self._revoke_unstarted()
                 for slab_id in self.arena.give_back_idle():
                     self._forget_slab(slab_id)
             elif step == "collect":
                 gc.collect()
-                if leases.fence is not None:  # what it freed goes behind the fence: wait for it
-                    settled = leases.drain() + leases.settle()
-            if leases.drain() or settled:
-                self.offer()
-                if seq not in self.wanting and seq not in self.unsent:
-                    return
-            if step not in ("drain", "settle") and self._grow_for(info, nbytes):
+            # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
+            for free in (leases.drain, leases.settle):
+                if free():
+                    self.offer()
+                    if seq not in self.wanting and seq not in self.unsent:
+                        return
+            if step != "drain" and self._grow_for(info, nbytes):
                 return
         if seq in self.unsent and seq not in self.asked:
             # Its size was only a guess (the largest batch so far): let its worker measure it

@@ -93,10 +93,12 @@ class CopyFence:
 
     def hold(self, refs: list[SlotRef]) -> None:
         """Hold ``refs`` until the GPU has passed everything queued on the stream so far."""
-        event = self._spare[-1] if self._spare else self._events()
-        event.record()  # if this raises, nothing is held and the caller keeps its refs
-        if self._spare and self._spare[-1] is event:
-            self._spare.pop()
+        event = self._spare.pop() if self._spare else self._events()
+        try:
+            event.record()
+        except BaseException:  # nothing is held: the caller keeps its refs
+            self._spare.append(event)
+            raise
         self._held.append((event, refs))
 
     def passed(self) -> list[SlotRef]:

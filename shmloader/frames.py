@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from typing import Final
 
 READ_BYTES: Final = 1 << 16  # one read takes up to this much of a pipe
-SMALL_FRAME: Final = 16384  # frames up to this size go out as one write, header in front
 HEADER: Final = struct.Struct("!i")
 _LEN: Final = HEADER
 _LONG_LEN: Final = struct.Struct("!Q")

@@ -129,7 +129,7 @@ class Leases:
             if isinstance(x, Lease):
                 if id(x) not in live:
                     continue  # released early already
-                if fence is not None and self._fenced(x.slot.slab_id):
+                if self._through_fence(x.slot):
                     held.append(x)
                     continue
                 self._forget(x)
@@ -149,6 +149,10 @@ class Leases:
                 for ref in fence.passed():
                     n += self.arena.release(ref)
         return n
+
+    def _through_fence(self, ref: SlotRef) -> bool:
+        """Whether ``ref``'s slot goes back through the copy fence (its slab is page-locked)."""
+        return self.fence is not None and self._fenced(ref.slab_id)
 
     def settle(self) -> int:
         """Wait for the GPU to pass the copies from every slot the fence holds, and release
@@ -177,7 +181,7 @@ class Leases:
             if lease is None or id(lease) not in self._live or not lease.lo <= ptr < lease.hi:
                 continue
             self._forget(lease)
-            if not copies_done and self.fence is not None and self._fenced(lease.slot.slab_id):
+            if not copies_done and self.fence is not None and self._through_fence(lease.slot):
                 self.fence.hold([lease.slot])  # released: its copies may still be queued
                 n += 1
             else:

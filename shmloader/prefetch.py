@@ -131,7 +131,7 @@ class DevicePrefetcher:
         will_hold = getattr(self.loader, "_consumer_will_hold", None)
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
             will_hold(self.depth + 2)
-        done = getattr(self.loader, "_copies_done", None) or _drop
+        done = getattr(self.loader, "_copies_done", None)  # a shmloader DataLoader's
         source = iter(self.loader)
         in_flight: deque[tuple[Any, Any, Event]] = deque()  # (host, device, event)
         retiring: deque[tuple[Any, Event]] = deque()  # host batches whose copy may still run
@@ -160,15 +160,14 @@ class DevicePrefetcher:
         engine: CopyEngine,
         in_flight: deque[tuple[Any, Any, Event]],
         retiring: deque[tuple[Any, Event]],
-        done: Callable[[Any], None],
+        done: Callable[[Any], None] | None,
     ) -> Any:
         host, device_batch, event = in_flight.popleft()
         engine.hand_over(device_batch, event)
         retiring.append((host, event))
-        del host
         while retiring and retiring[0][1].query():
             host = retiring.popleft()[0]  # that copy is done: the host batch (and its slot) may go
-            if done is not _drop and _copied_whole(host):
+            if done is not None and _copied_whole(host):
                 done(host)
         return device_batch
 
@@ -182,6 +181,3 @@ def _copied_whole(batch: Any) -> bool:
     leaves = leaves_in(batch)
     return len(leaves) == len(copied) and {id(x) for x in leaves} == set(copied)
 
-
-def _drop(batch: Any) -> None:
-    """What happens to a host batch whose copy is done, for a loader other than shmloader's."""

@@ -61,7 +61,7 @@ from shmloader._torch_compat import (
     wrap_current_exception,
 )
 from shmloader.collate import SlotSession, SlotView
-from shmloader.frames import HEADER, SMALL_FRAME, FrameReader
+from shmloader.frames import FrameReader, framed
 from shmloader.pack import Packed
 from shmloader.rngstate import RngRing, restore
 from shmloader.state import is_stateful
@@ -286,19 +286,18 @@ class _Worker:
         if self.rng is not None and not isinstance(msg, P.NeedSlot | P.ReplicaState):
             # an answer: see ready()
             self.rng.publish(self.cfg.worker_id, msg.epoch, msg.seq)
-        self.conn.send_bytes(P.encode(msg))
+        self._write(framed(P.encode(msg)))
+
+    def _write(self, data: bytes) -> None:
+        """Write ``data`` whole (a write a signal cuts short is finished)."""
+        n = os.write(self.fd, data)
+        while n < len(data):
+            n += os.write(self.fd, memoryview(data)[n:])
 
     def ready(self, task: P.Task, desc: Descriptor) -> None:
         if self.rng is not None:  # the RNG state after this task, published before its answer
             self.rng.publish(self.cfg.worker_id, task.epoch, task.seq)
-        frame = P.ready(task.seq, task.epoch, self.cfg.worker_id, desc)
-        if len(frame) <= SMALL_FRAME:  # one write, header in front, as send_bytes frames it
-            data = HEADER.pack(len(frame)) + frame
-            n = os.write(self.fd, data)
-            while n < len(data):  # a signal cut the write short: send the rest
-                n += os.write(self.fd, memoryview(data)[n:])
-        else:
-            self.conn.send_bytes(frame)
+        self._write(framed(P.ready(task.seq, task.epoch, self.cfg.worker_id, desc)))
 
     def run(self) -> None:
         while True:
