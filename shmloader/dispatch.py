@@ -22,7 +22,8 @@ Invariants:
   already on its way when the worker had not seen it yet, or a bigger slot (GRANT) or DENY.
 - The arena grows only for the batch the consumer needs next (in sampler order, or any batch with
   ``in_order=False``) and only when its worker waits for a slot, after waiting for the GPU's
-  copies from slots the copy fence holds (:mod:`shmloader.fence`); at the cap, slabs whose slots are
+  copies from slots the copy fence holds (:mod:`shmloader.fence`; up to the loader's ``timeout``,
+  else without end and with a warning every ``FENCE_WARN_S``); at the cap, slabs whose slots are
   all free are given back first, then garbage is collected; ``ArenaExhaustedError`` only when
   nothing else frees room, with exactly what the user holds. At the cap, tasks not yet started
   (queued behind a task their worker waits a slot for) give their slots back too (REVOKE).
@@ -34,6 +35,8 @@ Invariants:
 from __future__ import annotations
 
 import gc
+import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -42,10 +45,23 @@ from arena import ArenaCapacityError, ArenaExhaustedError, SlotRef
 from arena._layout import page_align
 from shmloader import protocol as P
 from shmloader.host import ArenaHost
+from shmloader.lease import Leases
 from shmloader.reorder import TaskInfo, TaskTable
 from shmloader.supervisor import Supervisor
 
 Answer = P.Ready | P.Failed
+
+FENCE_WARN_S = 30.0  # a wait for the GPU's copies warns each time this passes without an end
+
+
+def fence_stuck(leases: Leases, waited: float) -> str:
+    """Why the batch needed next still waits, when the copy fence holds slots."""
+    held = leases.fence.held if leases.fence is not None else 0
+    return (
+        f"the batch needed next has waited {waited:.1f} s for a slot while {held} slots of "
+        "page-locked memory wait for the GPU to pass copies queued from them (shmloader.fence); "
+        "a busy GPU explains it, and timeout= makes the loader raise instead of waiting"
+    )
 
 
 class Orphan(NamedTuple):
@@ -359,11 +375,13 @@ class Dispatch:
             return None  # a worker is busy: its answer will come
         return min(stuck)
 
-    def unblock(self, seq: int) -> None:
+    def unblock(self, seq: int, deadline: float | None) -> None:
         """Find a slot for task ``seq``: wait for the GPU's copies from slots the copy fence
-        holds; grow the arena; at its cap give back idle slabs of other sizes; then collect
-        garbage (views caught in reference cycles); then, for a task whose size is only the
-        largest seen, send it without a slot to be measured; else raise."""
+        holds (until ``deadline``, the loader's timeout, if one is set); grow the arena; at its
+        cap give back idle slabs of other sizes; then collect garbage (views caught in reference
+        cycles); then, for a task whose size is only the largest seen, send it without a slot to
+        be measured; else raise, unless the fence still holds slots when ``deadline`` has
+        passed: then the caller's timeout fires."""
         info = self.tasks.get(seq)
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
@@ -376,7 +394,7 @@ class Dispatch:
             elif step == "collect":
                 gc.collect()
             # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
-            for free in (leases.drain, leases.settle):
+            for free in (leases.drain, lambda: self._settle(deadline)):
                 if free():
                     self.offer()
                     if seq not in self.wanting and seq not in self.unsent:
@@ -388,7 +406,28 @@ class Dispatch:
             # and ask for exactly what it needs, which may well fit.
             self.sup.send(info.worker_id, P.Task(seq, self.epoch, None, self.unsent.pop(seq)))
             return
+        if leases.fence:
+            return  # the deadline passed while the GPU still reads held slots: the caller's fires
         raise self._exhausted(seq, nbytes)
+
+    def _settle(self, deadline: float | None) -> int:
+        """Wait for the GPU to pass the copies queued from every slot the copy fence holds, and
+        release them: until ``deadline``, or with none without end, warning every
+        ``FENCE_WARN_S`` that passes with slots still held. Returns how many."""
+        leases, n, since = self.host.leases, 0, time.monotonic()
+        while leases.fence:
+            now = time.monotonic()
+            left = FENCE_WARN_S if deadline is None else min(FENCE_WARN_S, deadline - now)
+            if left <= 0:
+                break
+            n += leases.settle(left)
+            if leases.fence and time.monotonic() - since >= FENCE_WARN_S:
+                warnings.warn(fence_stuck(leases, time.monotonic() - since), RuntimeWarning, 2)
+        return n
+
+    def gpu_wait(self, waited: float) -> str:
+        """``"; "`` and why a slot is missing, when the copy fence holds slots; else ``""``."""
+        return "; " + fence_stuck(self.host.leases, waited) if self.host.leases.fence else ""
 
     def _revoke_unstarted(self) -> None:
         """Take back the slots of tasks their workers have not started: a worker runs its tasks

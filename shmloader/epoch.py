@@ -225,10 +225,11 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             d.offer()  # slots freed by answers (spares, failures) since the last wait
             blocked = d.blocked_on(d.status.__getitem__)
             if blocked is not None:
-                d.unblock(blocked)
+                d.unblock(blocked, deadline)
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                why = d.gpu_wait(self._timeout)  # empty unless copy-fenced slots held it up
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{why}")
             deaths = self._sup.wait(left)
         while inbox:  # one frame at a time: an interruption leaves the rest for the next call
             wid, frame = inbox.popleft()

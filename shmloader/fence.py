@@ -11,10 +11,12 @@ fence records one itself.
 When leases die (:meth:`Leases.drain`), their slots are *held* behind one event recorded on the
 current stream of the pinned device. They are released when that event has completed, which is
 checked at every drain. When the batch the consumer needs next waits for a slot, the
-dispatcher first *settles*: it waits for every held event rather than grow the arena.
+dispatcher first *settles*: it waits for the held events rather than grow the arena.
 
 Invariants:
-- A held slot is released exactly once, after its event completed (or at :meth:`settle`).
+- A held slot is released exactly once, after its event completed.
+- Every wait is bounded: :meth:`CopyFence.settle` takes a timeout and returns what passed by then;
+  the rest stays held.
 - Held slots stay LENT in the arena: they are neither free nor counted as batches the user holds.
 - Copies queued on the current stream (of the pinned device, at the drain) are covered. A copy on
   another stream must be waited for by the user, for example with ``DevicePrefetcher``, which
@@ -24,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -36,7 +39,9 @@ class Event(Protocol):
 
     def query(self) -> bool: ...
 
-    def synchronize(self) -> None: ...
+    def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the event to complete; whether it did."""
+        ...
 
 
 EventFactory = Callable[[], Event]
@@ -54,8 +59,7 @@ class _CudaEvent:
             self._device = torch.device(device)
         else:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        # blocking: a wait in settle() sleeps instead of spinning on a core the workers need
-        self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def record(self) -> None:
         import torch
@@ -65,8 +69,19 @@ class _CudaEvent:
     def query(self) -> bool:
         return bool(self._event.query())  # type: ignore[no-untyped-call]
 
-    def synchronize(self) -> None:
-        self._event.synchronize()
+    def wait(self, timeout: float) -> bool:
+        # CUDA has no timed wait on an event: poll, sleeping between polls (50 us doubling up
+        # to 1 ms) so the wait leaves the core to the workers. This runs only when the batch
+        # needed next waits for a slot the fence holds, so the added latency is rare and small.
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while not self._event.query():  # type: ignore[no-untyped-call]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 1e-3)
+        return True
 
 
 def cuda_events(device: str | None) -> EventFactory:
@@ -111,12 +126,15 @@ class CopyFence:
             out += refs
         return out
 
-    def settle(self) -> list[SlotRef]:
-        """Every held slot, after waiting for the GPU to pass their events."""
+    def settle(self, timeout: float) -> list[SlotRef]:
+        """The held slots whose event completes within ``timeout`` seconds, oldest first; the
+        rest stay held."""
         out: list[SlotRef] = []
+        deadline = time.monotonic() + timeout
         while self._held:
             event, refs = self._held[0]
-            event.synchronize()  # if this raises, the group stays held
+            if not event.wait(max(0.0, deadline - time.monotonic())):  # raising: stays held
+                break
             self._held.popleft()
             self._spare.append(event)
             out += refs

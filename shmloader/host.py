@@ -14,14 +14,16 @@ Invariants:
   caller's thread), so interleaved iterators never share a slot.
 - ``largest`` is the largest batch any iterator has asked a slot for, in bytes; dispatch takes
   slots of that size, so steady state needs no NEED_SLOT round trip.
-- ``close()`` waits for the GPU's copies from the fence's slots, unregisters pinned memory, then
-  closes the arena; views still alive stay valid.
+- ``close()`` waits (at most ``CLOSE_SETTLE_S``) for the GPU's copies from the fence's slots,
+  unregisters pinned memory, then closes the arena; views still alive stay valid. A slab the
+  GPU may still read from is never unregistered: after that wait it is left page-locked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 
 from arena import Arena, Backend
@@ -50,12 +52,12 @@ class ArenaHost:
         self.pinner = Pinner(pin, pin_device)
         # Slots of page-locked slabs wait for the GPU's copies from them (shmloader.fence).
         fence = CopyFence(cuda_events(pin_device)) if pin else None
-        self.leases = Leases(self.arena, fence, self.pinner.registered)
+        self.leases = leases = Leases(self.arena, fence, self.pinner.registered)
         afterfork.track(self.leases)  # a child forked while batches are held keeps them
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
         self.export = StatsExport.from_environment()  # None unless a profiler asked
-        self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, fence)
+        self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, leases)
 
     @property
     def here(self) -> bool:
@@ -71,15 +73,31 @@ class ArenaHost:
         self._closer()
 
 
-def _close(pid: int, pinner: Pinner, arena: Arena, fence: CopyFence | None) -> None:
+CLOSE_SETTLE_S = 60.0  # at close, the longest wait for the GPU's copies from the fence's slots
+
+
+def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
     if os.getpid() != pid:
         return  # inherited through fork(): the owner closes its own
+    fence = leases.fence
     try:
+        stuck = False
         if fence:
             # Copies still queued from the slabs finish before they are unlocked. At interpreter
             # exit CUDA may already be gone; then there is nothing left to wait for.
             with contextlib.suppress(Exception):
-                fence.settle()
-        pinner.close()
+                fence.settle(CLOSE_SETTLE_S)
+                stuck = bool(fence)
+        if stuck and fence is not None:
+            # Unlocking slabs the GPU still reads could fault its copies: leave them locked.
+            warnings.warn(
+                f"shmloader: the GPU has not passed copies queued from {fence.held} page-locked "
+                f"arena slots after {CLOSE_SETTLE_S:.0f} s; the loader closes its arena but "
+                "leaves its slabs page-locked until the process exits",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            pinner.close()
     finally:
         arena.close()

@@ -154,12 +154,12 @@ class Leases:
         """Whether ``ref``'s slot goes back through the copy fence (its slab is page-locked)."""
         return self.fence is not None and self._fenced(ref.slab_id)
 
-    def settle(self) -> int:
-        """Wait for the GPU to pass the copies from every slot the fence holds, and release
-        them. Returns how many."""
+    def settle(self, timeout: float) -> int:
+        """Wait at most ``timeout`` seconds for the GPU to pass the copies from the slots the
+        fence holds, and release those it passed. Returns how many."""
         if not self.fence:
             return 0
-        return sum(self.arena.release(ref) for ref in self.fence.settle())
+        return sum(self.arena.release(ref) for ref in self.fence.settle(timeout))
 
     def _forget(self, lease: Lease) -> None:
         del self._live[id(lease)]

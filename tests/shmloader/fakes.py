@@ -119,12 +119,15 @@ class FakeRegistrar:
 class FakeEvents:
     """An event factory for :class:`shmloader.fence.CopyFence` standing in for CUDA: an event
     completes only when the test says so (:meth:`complete_all`) or when someone waits on it
-    (``synchronize``, which the fake counts); ``query`` never completes one by itself."""
+    (``wait``, which the fake counts); ``query`` never completes one by itself. While
+    ``stuck_waits`` is positive the GPU is stuck: each wait uses up its whole timeout, as a
+    real one would, fails, and counts ``stuck_waits`` down."""
 
     def __init__(self) -> None:
         self.made: list[FakeEvent] = []
         self.records = 0
         self.waits = 0
+        self.stuck_waits = 0
 
     def __call__(self) -> FakeEvent:
         event = FakeEvent(self)
@@ -148,6 +151,12 @@ class FakeEvent:
     def query(self) -> bool:
         return self.done
 
-    def synchronize(self) -> None:
-        self.events.waits += 1
+    def wait(self, timeout: float) -> bool:
+        events = self.events
+        events.waits += 1
+        if not self.done and events.stuck_waits > 0:
+            events.stuck_waits -= 1
+            time.sleep(timeout)  # a real wait's timeout passing, not a synchronisation
+            return False
         self.done = True
+        return True

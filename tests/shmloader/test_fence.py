@@ -5,6 +5,8 @@ complete when the test says so; the real-GPU test at the end skips without a dev
 from __future__ import annotations
 
 import gc
+import re
+import warnings
 
 import pytest
 import torch
@@ -34,7 +36,21 @@ def test_held_slots_pass_in_order_once_their_event_completes(arena):
     assert fence.passed() == [a, b] and not fence
     fence.hold([a])
     assert len(events.made) == 2, "completed events are recorded again, not made anew"
-    assert fence.settle() == [a] and events.waits == 1 and not fence
+    assert fence.settle(1.0) == [a] and events.waits == 1 and not fence
+    arena.release(a)
+    arena.release(b)
+
+
+def test_a_wait_for_a_stuck_gpu_ends_at_its_timeout_and_keeps_the_slots_held(arena):
+    events = FakeEvents()
+    fence = CopyFence(events)
+    a, b = arena.acquire(4096), arena.acquire(4096)
+    fence.hold([a])
+    events.made[0].done = True  # a's copy has passed; b's is stuck behind the GPU
+    fence.hold([b])
+    events.stuck_waits = 1
+    assert fence.settle(0.01) == [a] and fence.held == 1
+    assert fence.settle(1.0) == [b] and not fence
     arena.release(a)
     arena.release(b)
 
@@ -65,7 +81,7 @@ def test_a_batch_released_early_goes_through_the_fence_too(arena):
     assert leases.release_early(out) == 1
     assert arena.state(ref) is SlotState.LENT
     assert leases.release_early(out) == 0
-    assert leases.settle() == 1 and events.waits == 1
+    assert leases.settle(1.0) == 1 and events.waits == 1
     assert arena.state(ref) is SlotState.FREE
     del out
     assert leases.drain() == 0  # the forgotten lease's death releases nothing twice
@@ -85,7 +101,8 @@ def _fenced_loader(monkeypatch, events, **kwargs):
     """A loader whose arena behaves as page-locked: slabs go through a fake registrar, batches
     are passed through as torch would pass views of registered memory, copies are fake events."""
     monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
-    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, timeout=10, **kwargs)
+    kwargs.setdefault("timeout", 10)
+    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, **kwargs)
     host = ArenaHost(
         backend="auto",
         max_bytes=kwargs.get("arena_max_bytes"),
@@ -100,14 +117,14 @@ def _fenced_loader(monkeypatch, events, **kwargs):
     return loader, host
 
 
-def _fenced_loader_of_four_slots(monkeypatch, events):
+def _fenced_loader_of_four_slots(monkeypatch, events, **kwargs):
     """A fenced loader whose cap allows one slab of 4 slots and nothing more."""
     probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
     next(iter(probe))
     slot = probe.stats().arena.slot_sizes[0]
     del probe
     loader, _ = _fenced_loader(
-        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4
+        monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4, **kwargs
     )
     return loader
 
@@ -152,6 +169,68 @@ def test_at_the_arena_cap_the_loader_waits_for_the_gpu_instead_of_failing(monkey
     assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
     assert events.waits > 0, "the slots came back without waiting for the GPU"
     assert loader.stats().arena.slots_total == 4
+
+
+@frees_its_loaders_on_failure
+def test_at_the_cap_a_gpu_that_never_passes_the_copies_makes_the_loader_time_out(monkeypatch):
+    events = FakeEvents()
+    loader = _fenced_loader_of_four_slots(monkeypatch, events, timeout=1)
+    events.stuck_waits = 10**6
+    labels = []
+    with pytest.raises(RuntimeError) as raised:
+        try:
+            for _, y in loader:
+                labels.append(y.tolist())
+        finally:
+            events.stuck_waits = 0  # the GPU recovers: the loader's teardown gets its slots back
+    assert re.match(
+        r"DataLoader timed out after 1 seconds; .* \d+ slots of page-locked memory wait for the "
+        r"GPU .* timeout=",
+        str(raised.value),
+    ), str(raised.value)
+    assert labels == [list(range(i, i + 4)) for i in range(0, 4 * len(labels), 4)]
+
+
+@frees_its_loaders_on_failure
+def test_without_a_timeout_the_loader_waits_for_a_slow_gpu_and_says_so(monkeypatch):
+    monkeypatch.setattr("shmloader.dispatch.FENCE_WARN_S", 0.05)
+    events = FakeEvents()
+    loader = _fenced_loader_of_four_slots(monkeypatch, events, timeout=0)
+    events.stuck_waits = 3  # three waits of FENCE_WARN_S time out before the GPU passes
+    with pytest.warns(RuntimeWarning, match=r"waited \d+\.\d s for a slot while \d+ slots"):
+        labels = [y.tolist() for _, y in loader]
+    assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    assert events.stuck_waits == 0
+
+
+@pytest.mark.parametrize("gpu_stuck", [False, True])
+@frees_its_loaders_on_failure
+def test_a_host_unlocks_its_slabs_at_close_only_once_the_gpu_has_passed_their_copies(
+    monkeypatch, gpu_stuck
+):
+    monkeypatch.setattr("shmloader.host.CLOSE_SETTLE_S", 0.05)
+    events = FakeEvents()
+    loader, host = _fenced_loader(monkeypatch, events, arena_slots_per_slab=12)
+    assert [y.tolist()[0] for _, y in loader] == list(range(0, 64, 4))
+    gc.collect()
+    loader.stats()  # a drain: every dropped batch's slot is held, no copy has passed yet
+    assert host.leases.fence.held > 0
+    registrar = host.pinner._registrar
+    events.stuck_waits = 1 if gpu_stuck else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        host.close()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert registrar.registered
+    if gpu_stuck:
+        assert registrar.unregistered == []
+        assert len(said) == 1 and re.match(
+            r"shmloader: the GPU has not passed copies queued from \d+ page-locked arena slots",
+            said[0],
+        )
+    else:
+        assert sorted(registrar.unregistered) == sorted(p for p, _ in registrar.registered)
+        assert said == []
 
 
 @frees_its_loaders_on_failure
@@ -216,7 +295,7 @@ def test_an_event_that_cannot_be_recorded_loses_no_slot(arena):
         leases.drain()
     assert arena.state(ref) is SlotState.LENT
     assert leases.drain() == 0 and leases.fence.held == 1  # the next drain holds it
-    assert leases.settle() == 1 and arena.state(ref) is SlotState.FREE
+    assert leases.settle(1.0) == 1 and arena.state(ref) is SlotState.FREE
 
 
 def squares_with_numpy_rows(samples):
