@@ -61,9 +61,15 @@ KILL_S = 2.0  # how long it waits after SIGTERM before SIGKILL
 class WorkerDeath:
     worker_id: int
     pid: int
-    exitcode: int
+    exitcode: int | None  # None: reaped by someone else (SIGCHLD ignored, or a handler's wait())
 
     def describe(self) -> str:
+        if self.exitcode is None:
+            return (
+                f"DataLoader worker (pid(s) {self.pid}) exited unexpectedly; its exit code is "
+                "unknown because something else reaped it (SIGCHLD is set to SIG_IGN, or a "
+                "SIGCHLD handler calls wait()). "
+            )
         if self.exitcode < 0:
             try:
                 name = signal.strsignal(-self.exitcode) or f"signal {-self.exitcode}"
@@ -190,12 +196,17 @@ class Supervisor:
             self.retired.add(worker_id)
             self._poll = None
 
-    def deaths(self) -> list[WorkerDeath]:
-        """Workers that should be alive but have exited."""
+    def deaths(self, gone: set[int] | frozenset[int] = frozenset()) -> list[WorkerDeath]:
+        """Workers that should be alive but have exited. ``gone``: workers whose sentinel fired
+        or whose pipe closed; one of them that was reaped elsewhere never gets an exit code."""
         out = []
         for wid, p in enumerate(self.procs):
-            if wid not in self.retired and p.exitcode is not None:
+            if wid in self.retired:
+                continue
+            if p.exitcode is not None:
                 out.append(WorkerDeath(wid, p.pid, p.exitcode))
+            elif wid in gone and _reaped_elsewhere(p.pid):
+                out.append(WorkerDeath(wid, p.pid, None))
         return out
 
     def _poller(self) -> select.poll:
@@ -223,12 +234,12 @@ class Supervisor:
         handled loses none of those not yet taken."""
         poller = self._poller()
         frames = self.inbox
-        suspect = False
+        gone: set[int] = set()
         ms = None if timeout is None else max(0, int(timeout * 1000))
         for fd, events in poller.poll(ms):
             wid, is_pipe = self._fds[fd]
             if not is_pipe:
-                suspect = True  # a sentinel: that worker exited
+                gone.add(wid)  # a sentinel: that worker exited
                 continue
             if events & select.POLLOUT:
                 self._flush(wid)
@@ -241,14 +252,14 @@ class Supervisor:
             except OSError:
                 data = b""
             if not data:
-                suspect = True
+                gone.add(wid)
                 self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it for its code
                 continue
             buf = self._bufs[wid]
             buf += data
             for frame in cut_frames(buf):
                 frames.append((wid, frame))
-        return self.deaths() if suspect else []
+        return self.deaths(gone) if gone else []
 
     def kill(self) -> None:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
@@ -281,6 +292,18 @@ class Supervisor:
             c.close()
         # The process objects stay open: the iterator exposes them as torch's ``_workers``
         # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
+
+
+def _reaped_elsewhere(pid: int) -> bool:
+    """Whether child ``pid`` is gone without its status reaching us: with SIGCHLD ignored the
+    kernel reaps it, and a SIGCHLD handler's ``wait()`` may. multiprocessing then never learns an
+    exit code (its ``poll`` swallows ``ECHILD``), so without this check a dead worker would look
+    alive for good."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
 
 
 def _start_error(e: Exception, cfg: WorkerConfig) -> Exception:

@@ -230,6 +230,49 @@ def test_a_dead_worker_is_raised_within_a_second_naming_it_and_the_loader_recove
     assert slot_states(loader)["writing"] == 0
 
 
+def _reap_every_child(signum: int, frame: Any) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+@pytest.mark.parametrize(
+    "sigchld", [signal.SIG_IGN, _reap_every_child], ids=["SIG_IGN", "a-handler-that-reaps"]
+)
+def test_a_worker_reaped_by_someone_else_is_still_raised_within_a_second(sigchld):
+    # With SIGCHLD ignored (also inherited through exec from a parent that ignores it) or a
+    # handler that reaps every child, multiprocessing never learns a worker's exit code; the
+    # loader must still see the death instead of spinning on the exited worker's sentinel.
+    gate = Gate()
+    loader = shmloader.DataLoader(Gated(N, GATED, gate), batch_size=1, num_workers=2)
+    before = signal.signal(signal.SIGCHLD, sigchld)
+    try:
+        it = iter(loader)
+        assert [int(next(it)[0, 0]) for _ in range(GATED)] == list(range(GATED))
+        pids = list(loader.stats().worker_pids)
+        victim = pids[GATED % 2]
+
+        def fault() -> float:
+            assert gate.wait_reached() == victim
+            at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            return at
+
+        error, seconds = next_during(it, fault)
+        assert isinstance(error, RuntimeError)
+        assert re.search(
+            rf"DataLoader worker \(pid\(s\) {victim}\) exited unexpectedly; its exit code is "
+            r"unknown because something else reaped it \(SIGCHLD is set to SIG_IGN",
+            str(error),
+        ), str(error)
+        assert seconds < DEADLINE_S
+        gate.open()
+        assert [int(b[0, 0]) for b in loader] == list(range(N))  # fresh workers, same setting
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+    assert gone_within(pids, WAIT_S) == []
+
+
 def test_a_dead_worker_is_raised_within_a_second_while_another_worker_is_busy():
     busy, victim_gate = Gate(), Gate()
     loader = shmloader.DataLoader(
