@@ -16,8 +16,11 @@ Invariants:
   to a batch that is gone).
 - No slot the child copies is reused before its copy is complete: the parent can release a slot
   only after its own ``fork()`` has returned.
-- shmloader's own workers are forked without it (:func:`forking_workers`): they never read the
-  batches the main process lends, and write only through their own mappings.
+- A loader's own workers (forked inside :func:`forking_workers`, in the forking thread only)
+  copy the slots every *other* loader lends, but not their own loader's: those stay shared, and
+  that loader keeps them from reuse until the workers are gone (:class:`~shmloader.lease.
+  Quarantine`). That costs no copy per worker; the workers' code (a dataset holding batches of
+  the same loader, say) still sees those batches as they were.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ if TYPE_CHECKING:
 COPY_WAIT_S = 30.0  # longest a fork waits for the child to copy the batches it inherits
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
-_skip = False
-_fork = threading.local()  # the forking thread's handshake pipe, from before the fork to after
+# Per forking thread: the handshake pipe, from before the fork to after, and the loader whose own
+# workers it is starting (their slots are not copied). Thread-local: another thread's fork, even
+# while workers start here, copies everything.
+_fork = threading.local()
 
 
 def track(leases: Leases) -> None:
@@ -49,29 +54,31 @@ def track(leases: Leases) -> None:
 
 
 @contextlib.contextmanager
-def forking_workers() -> Iterator[None]:
-    """Around starting shmloader's own workers: their forks copy nothing."""
-    global _skip
-    _skip = True
+def forking_workers(own: Leases) -> Iterator[None]:
+    """Around starting the workers of the loader whose batches are ``own``, in this thread: their
+    forks do not copy ``own``'s slots (the loader keeps those from reuse instead)."""
+    _fork.own = own
     try:
         yield
     finally:
-        _skip = False
+        _fork.own = None
 
 
 def _lent(pid: int) -> list[tuple[int, int]]:
-    """The address ranges of the slots process ``pid`` lends, as of its last drain."""
+    """The address ranges of the slots process ``pid`` lends, as of its last drain, except those
+    of the loader whose workers this thread is forking."""
+    own = getattr(_fork, "own", None)
     return [
         (lease.lo, lease.hi - lease.lo)
         for leases, owner in list(_tracked.items())
-        if owner == pid
+        if owner == pid and leases is not own
         for lease in leases.live()
         if lease() is not None
     ]
 
 
 def _before() -> None:
-    _fork.copy = not _skip and bool(_lent(os.getpid()))
+    _fork.copy = bool(_lent(os.getpid()))
     _fork.pipe = None
     if _fork.copy:
         with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child still

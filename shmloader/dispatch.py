@@ -458,13 +458,23 @@ class Dispatch:
         st = self.arena.stats()
         return ArenaExhaustedError(
             f"every arena slot is in use: the user holds {self.host.leases.held} batches "
-            f"({st.bytes_by_state.get('lent', 0):,} bytes), {st.slots_by_state.get('ready', 0)} "
+            f"({st.bytes_by_state.get('lent', 0):,} bytes){self._kept()}, "
+            f"{st.slots_by_state.get('ready', 0)} "
             f"finished batches wait to be yielded and {st.slots_by_state.get('writing', 0)} are "
             f"being written, and the arena is at its cap of {st.max_bytes:,} bytes "
             f"({st.slots_total} slots); {st.bytes_reserved:,} bytes are reserved and the next "
             f"batch needs {nbytes:,}. Drop references to old batches, copy what you keep with "
             ".clone(), release them early with shmloader.release(batch, loader), or raise "
             "arena_max_bytes."
+        )
+
+    def _kept(self) -> str:
+        kept = self.host.leases.kept
+        if not kept:
+            return ""
+        return (
+            f", with {kept} slots of dropped batches kept until the workers forked while they "
+            "were held exit"
         )
 
     # -- answers --------------------------------------------------------------------------------

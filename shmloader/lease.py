@@ -22,6 +22,9 @@ Invariants:
 - With a :class:`~shmloader.fence.CopyFence` (a page-locked arena), the slot of a batch whose last
   view died, or that was released early, goes back only once the GPU has passed the copies the
   user may have queued from it; until then it stays LENT and is not counted in ``held``.
+- A slot lent when the loader's own workers were forked (they share its pages) goes back only
+  once those workers are gone (:class:`Quarantine`); until then it stays LENT, counted in
+  ``kept``, not in ``held``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,20 @@ class Lease(weakref.ref):  # type: ignore[type-arg]
     hi: int
 
 
+class Quarantine:
+    """The slots lent when a loader's own workers were forked. Those workers share the slots'
+    pages (they skip :mod:`shmloader.afterfork`'s private copy), and code they run may still
+    read a batch the main process has since dropped, as a torch worker reads its copy-on-write
+    one; so none of these slots is reused until the workers are gone (:meth:`Leases.lift`)."""
+
+    __slots__ = ("active", "held", "refs")
+
+    def __init__(self, refs: list[SlotRef]) -> None:
+        self.refs = set(refs)
+        self.held: list[SlotRef] = []  # of refs, those whose batch the main process let go
+        self.active = True
+
+
 class Leases:
     """The batches of one arena that the user holds."""
 
@@ -62,7 +79,8 @@ class Leases:
         self.arena = arena
         self.fence = fence  # None: slots go back as soon as their batch is gone
         self._fenced = fenced  # whether a slab's slots go through the fence (it is page-locked)
-        self.dead: deque[Lease | SlotRef] = deque()  # appended from callbacks, drained here
+        self.dead: deque[Lease | SlotRef | Quarantine] = deque()  # appended from callbacks
+        self._quarantines: list[Quarantine] = []  # active, or lifted and not yet drained
         self.rebuilder = Rebuilder()
         self._live: dict[int, Lease] = {}  # id -> lease (a weakref hashes as its referent)
         self._by_key: dict[int, Lease] = {}
@@ -76,6 +94,36 @@ class Leases:
     def held(self) -> int:
         self.drain()
         return len(self._live)
+
+    @property
+    def kept(self) -> int:
+        """Slots whose batch is gone, kept from reuse while workers forked with them live."""
+        return sum(len(q.held) for q in self._quarantines)
+
+    def quarantine(self) -> Quarantine | None:
+        """Before forking this loader's own workers: keep every slot lent now out of use until
+        :meth:`lift`. None when nothing is lent."""
+        refs = [lease.slot for lease in self._live.values() if lease() is not None]
+        if not refs:
+            return None
+        q = Quarantine(refs)
+        self._quarantines.append(q)
+        return q
+
+    def lift(self, q: Quarantine) -> None:
+        """The workers forked under ``q`` are gone: its slots may be reused. Safe to call from a
+        finalizer (it only appends; the next drain releases them)."""
+        q.active = False
+        self.dead.append(q)
+
+    def _give_back(self, ref: SlotRef, kept: int = 0) -> int:
+        """Release a slot whose batch is gone, unless live workers may still read it; how many
+        slots went back (``kept`` when it was kept)."""
+        for q in self._quarantines:
+            if q.active and ref in q.refs:
+                q.held.append(ref)
+                return kept
+        return self.arena.release(ref)
 
     def open(self, msg: P.Ready) -> Any:
         """The batch a READY message names, as views of its slot; the slot becomes LENT. If the
@@ -133,7 +181,11 @@ class Leases:
                     held.append(x)
                     continue
                 self._forget(x)
-                n += self.arena.release(x.slot)
+                n += self._give_back(x.slot)
+            elif isinstance(x, Quarantine):  # lifted: its workers are gone
+                if x in self._quarantines:
+                    self._quarantines.remove(x)
+                    n += sum(self.arena.release(ref) for ref in x.held)
             else:
                 n += self.arena.release(x)  # a slot never lent: no copy can read it
         if fence is not None:
@@ -147,7 +199,7 @@ class Leases:
                     self._forget(x)
             if fence:
                 for ref in fence.passed():
-                    n += self.arena.release(ref)
+                    n += self._give_back(ref)
         return n
 
     def _through_fence(self, ref: SlotRef) -> bool:
@@ -159,7 +211,7 @@ class Leases:
         fence holds, and release those it passed. Returns how many."""
         if not self.fence:
             return 0
-        return sum(self.arena.release(ref) for ref in self.fence.settle(timeout))
+        return sum(self._give_back(ref) for ref in self.fence.settle(timeout))
 
     def _forget(self, lease: Lease) -> None:
         del self._live[id(lease)]
@@ -185,7 +237,7 @@ class Leases:
                 self.fence.hold([lease.slot])  # released: its copies may still be queued
                 n += 1
             else:
-                n += self.arena.release(lease.slot)
+                n += self._give_back(lease.slot, kept=1)  # out of the user's hands either way
         return n
 
 

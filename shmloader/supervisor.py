@@ -11,7 +11,8 @@ Invariants:
   The main process reads the pipes itself (one ``read`` per wake-up, cutting every whole frame
   from a per-worker buffer); frames are ``multiprocessing.connection``'s, as workers send them.
 - Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
-  terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
+  terminate -> kill -> close the pipes -> ``on_exit`` (the loader's slots the workers were forked
+  with may be reused now). It is idempotent and safe on a half-started supervisor.
 - A worker told to retire (its IterableDataset replica is exhausted) is expected to exit; its
   exit is not an error.
 - Workers belong to the process that started them: after an ``os.fork()`` of the main process
@@ -29,11 +30,11 @@ import signal
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from shmloader import afterfork
 from shmloader import protocol as P
 from shmloader.frames import READ_BYTES, cut_frames, framed
 from shmloader.worker import WorkerConfig, worker_main
@@ -85,7 +86,10 @@ class WorkerDeath:
 class Supervisor:
     """The worker processes of one iterator."""
 
-    def __init__(self, ctx: Any, configs: list[WorkerConfig]) -> None:
+    def __init__(
+        self, ctx: Any, configs: list[WorkerConfig], on_exit: Callable[[], None] | None = None
+    ) -> None:
+        self._on_exit = on_exit  # called once, when teardown has ended every worker
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.retired: set[int] = set()
@@ -115,8 +119,7 @@ class Supervisor:
                     daemon=True,
                 )
                 try:
-                    with afterfork.forking_workers():  # a worker never reads lent batches
-                        proc.start()
+                    proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     raise _start_error(e, cfg) from e
                 finally:
@@ -290,6 +293,8 @@ class Supervisor:
                 p.join(KILL_S)
         for c in self.conns:
             c.close()
+        if self._on_exit is not None:
+            self._on_exit()
         # The process objects stay open: the iterator exposes them as torch's ``_workers``
         # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
 

@@ -38,17 +38,21 @@ import os
 import resource
 import select
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import shmloader
+from shmloader import afterfork
+from shmloader.lease import Leases
+from tests.fault_datasets import Gate
 from tests.forked import ForkedChild
 from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, states
-from tests.lifetime_datasets import SizedRows, TorchRows
+from tests.lifetime_datasets import SizedRows, TorchRows, row_value
 
 HANG_S = 20.0
 LOADER_TIMEOUT_S = 10
@@ -156,9 +160,40 @@ def _wait_readable(fd: int, seconds: float) -> None:
     poller.poll(int(seconds * 1000))
 
 
+@pytest.fixture(params=["alone", "while-another-thread-starts-workers"])
+def other_thread(request: pytest.FixtureRequest) -> Iterator[Callable[[Leases], None]]:
+    """A function of a loader's leases: it does nothing, or it has another thread sit inside
+    ``forking_workers`` for those leases (starting that loader's workers, which can take seconds
+    under spawn) for the rest of the test. That must not change what this thread's forks copy."""
+    entered, leave = threading.Event(), threading.Event()
+    threads = []
+
+    def start(leases: Leases) -> None:
+        if request.param == "alone":
+            return
+
+        def starting_workers() -> None:
+            with afterfork.forking_workers(leases):
+                entered.set()
+                leave.wait(HANG_S)
+
+        threads.append(threading.Thread(target=starting_workers))
+        threads[0].start()
+        assert entered.wait(HANG_S)
+
+    try:
+        yield start
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join(HANG_S)
+
+
 @frees_its_loaders_on_failure
 def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slot(
-    descriptors: None, monkeypatch: pytest.MonkeyPatch
+    descriptors: None,
+    other_thread: Callable[[Leases], None],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     unraisable: list[str] = []  # an exception in a fork hook is only "ignored": catch it
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
@@ -168,6 +203,7 @@ def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slo
     it = iter(loader)
     held = [next(it)]
     slot = held[0][0].data_ptr()
+    other_thread(loader._host.leases)
     go_r, go_w = os.pipe()
 
     def child_body() -> dict[str, Any]:
@@ -195,6 +231,88 @@ def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slo
     assert unraisable == [], f"a fork hook failed: {unraisable}"
     assert reused_by is not None, "no later batch reused the slot of batch 0"
     assert report["ok"], f"the child's batch 0 shows {report['first']} (batch {reused_by} rows)"
+
+
+class Pool(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """A replay pool: the rows of batches of another loader. The worker loading index 0 first
+    waits at ``gate``."""
+
+    def __init__(self, batches: list[Any], gate: Gate) -> None:
+        self.batches, self.gate = batches, gate
+
+    def __len__(self) -> int:
+        return 4 * len(self.batches)
+
+    def __getitem__(self, j: int) -> tuple[torch.Tensor, int]:
+        if j == 0:
+            self.gate.arrive()
+        x, y = self.batches[j // 4]
+        return x[j % 4].clone(), int(y[j % 4])
+
+
+@frees_its_loaders_on_failure
+def test_another_loaders_workers_keep_the_batches_their_dataset_holds() -> None:
+    first = shmloader.DataLoader(
+        TorchRows(400, 256), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(first)
+    gate = Gate()
+    pool = Pool([next(it) for _ in range(4)], gate)
+    slots = {x.data_ptr() for x, _ in pool.batches}
+    replay = shmloader.DataLoader(pool, batch_size=4, num_workers=1, timeout=LOADER_TIMEOUT_S)
+    replayed = iter(replay)  # its worker is forked holding the pool
+    gate.wait_reached()
+    pool.batches = []  # the main process lets the pool go, and trains on
+    reused = 0
+    for k in range(4, 100):
+        x, y = next(it)
+        assert batch_ok(x, y, k, 256), k
+        reused += x.data_ptr() in slots
+    gate.open()
+    rows = [(int(x[0]), int(y)) for xs, ys in replayed for x, y in zip(xs, ys, strict=True)]
+    assert reused > 0, "the first loader never reused a slot of the pool"
+    assert rows == [(row_value(i), i) for i in range(16)], rows
+
+
+class Banked(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """TorchRows, except that the epoch's last batch reads its rows from ``bank``: rows kept,
+    uncopied, from batches of the same loader (a memory bank)."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.rows, self.n = TorchRows(n, width), n
+        self.bank: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = self.rows[i]
+        if i >= self.n - len(self.bank):
+            x = self.bank[i - (self.n - len(self.bank))].clone()
+        return x, y
+
+
+@frees_its_loaders_on_failure
+def test_a_loaders_own_workers_keep_the_batches_its_dataset_held_when_they_started() -> None:
+    ds = Banked(400, 256)
+    loader = shmloader.DataLoader(ds, batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S)
+    for k, (x, y) in enumerate(loader):
+        if k < 4:
+            ds.bank.append(x[0])  # a view: row 4k of batch k, in that batch's slot
+        del x, y
+    slots = {row.data_ptr() // 4096 for row in ds.bank}
+    it = iter(loader)  # this epoch's workers are forked with the bank
+    ds.bank = []  # the main process lets the rows go; the workers still read theirs
+    reused, last = 0, None
+    for x, y in it:
+        reused += x.data_ptr() // 4096 in slots
+        last = [int(v) for v in x[:, 0]]
+        del x, y
+    assert last == [row_value(4 * k) for k in range(4)], last
+    assert reused == 0, "a slot the workers may still read was reused during their epoch"
+    gc.collect()
+    left = states(loader)  # the workers are gone: the kept slots went back
+    assert (left["lent"], left["ready"], left["writing"]) == (0, 0, 0), left
 
 
 class Counted(torch.utils.data.Dataset[int]):
