@@ -19,13 +19,15 @@ Invariants:
   output becomes a ``meta`` tensor (shape and dtype, no bytes), the session is marked
   ``planned``, and once a big enough slot is granted the worker collates the same samples again,
   straight into it. Steady state takes no extra copy and no private batch-sized buffer.
-- Only the session's owner thread allocates (workers run tasks one at a time).
+- Allocation is thread-safe: a collate may call :func:`empty` from a pool of threads (each range
+  is handed out once). Packing, after the collate returns, runs in the worker's own thread.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
@@ -89,6 +91,8 @@ class SlotSession:
         self.base = 0 if view is None else view.base
         self.overflowed = False
         self.planned = False
+        self.placeholders: set[int] = set()  # ids of the meta tensors planning handed out
+        self._lock = threading.Lock()
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype, plan: bool = False) -> torch.Tensor:
         """An uninitialised tensor inside the slot if it fits; else, with ``plan``, a ``meta``
@@ -96,7 +100,8 @@ class SlotSession:
         nbytes = math.prod(shape) * dtype.itemsize
         off = None
         if self.bytes is not None and dtype in CODE_OF and nbytes > 0 and not self.planned:
-            off = self.writer.alloc(nbytes)
+            with self._lock:  # a collate may call empty() from a thread pool
+                off = self.writer.alloc(nbytes)
         if off is not None:
             npdtype = NUMPY_DTYPE.get(dtype)
             if npdtype is not None:  # a NumPy slice is several times cheaper than torch's
@@ -108,7 +113,9 @@ class SlotSession:
         self.overflowed = True
         if plan:
             self.planned = True
-            return torch.empty(tuple(shape), dtype=dtype, device="meta")
+            out = torch.empty(tuple(shape), dtype=dtype, device="meta")
+            self.placeholders.add(id(out))  # a meta tensor of the user's own is a plain object
+            return out
         return torch.empty(tuple(shape), dtype=dtype)
 
     def holds(self, ptr: int, nbytes: int) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -39,6 +40,7 @@ NDARRAY: Final = 1
 MAX_PAYLOADS: Final = 256
 _PAYLOADS: dict[Any, bytes] = {}
 _ATOMS: Final = (type(None), bool, int, float, complex, str, bytes)
+_F64: Final = struct.Struct("<d")
 _PROTOCOL: Final = pickle.HIGHEST_PROTOCOL
 
 
@@ -101,10 +103,10 @@ class Packed:
                 sig = self._walk(v)
                 if sig is None or type(k) not in _ATOMS:
                     return None
-                items.append((type(k), k, sig))
+                items.append((_atom(k), sig))
             return (t, *items)
         if t in _ATOMS:
-            return (t, obj)
+            return _atom(obj)
         return None
 
     @property
@@ -169,7 +171,7 @@ class Packed:
                 code is None
                 or obj.layout is not torch.strided
                 or obj.is_nested  # nested tensors report a strided layout, but have no one shape
-                or obj.device.type not in ("cpu", "meta")
+                or (obj.device.type != "cpu" and id(obj) not in self.session.placeholders)
                 or obj.requires_grad
                 or obj.is_conj()
                 or obj.is_neg()
@@ -195,7 +197,7 @@ class Packed:
         s = self.session
         if nbytes == 0:
             return _Leaf(t, code, shape, 0, 0)
-        if t.is_meta:  # a planned leaf: only its size counts now
+        if t.is_meta:  # a planned leaf (one of the session's placeholders): only its size counts
             s.overflowed = True
             return _Leaf(t, code, shape, nbytes, None)
         if t.is_contiguous() and s.holds(t.data_ptr(), nbytes):
@@ -206,6 +208,17 @@ class Packed:
             return _Leaf(t, code, shape, nbytes, None)
         s.bytes[off : off + nbytes].view(t.dtype).view(shape).copy_(t)
         return _Leaf(t, code, shape, nbytes, off)
+
+
+def _atom(obj: Any) -> Any:
+    """An atom's part of a signature: equal only for atoms that pickle the same. Floats and
+    complex numbers go by their bits (``0.0 == -0.0``, and NaN's sign is kept)."""
+    t = type(obj)
+    if t is float:
+        return (t, _F64.pack(obj))
+    if t is complex:
+        return (t, _F64.pack(obj.real), _F64.pack(obj.imag))
+    return (t, obj)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 import collections
 import enum
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -191,3 +193,20 @@ def test_int_labels_follow_a_default_device_as_torch_does(arena):
     assert expected.device.type == "meta"
     assert got.device == expected.device and got.dtype == expected.dtype
     assert got.shape == expected.shape
+
+
+def test_empty_from_a_thread_pool_hands_out_each_range_once():
+    # A collate that decodes samples in threads, each into shmloader.empty(): a thread switch
+    # inside the bump allocation gave two threads the same range. A tiny switch interval makes
+    # such switches common.
+    before = sys.getswitchinterval()
+    buf = bytearray(8 << 20)
+    sys.setswitchinterval(1e-6)
+    try:
+        with SlotSession(memoryview(buf)) as s, ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda _: shmloader.empty(16, dtype=torch.int32), range(40_000)))
+    finally:
+        sys.setswitchinterval(before)
+    ptrs = [t.data_ptr() for t in outs]
+    assert all(s.holds(p, 64) for p in ptrs)
+    assert len(set(ptrs)) == len(ptrs), f"{len(ptrs) - len(set(ptrs))} ranges handed out twice"

@@ -2,6 +2,7 @@
 
 import gc
 import itertools
+import math
 import os
 import signal
 
@@ -11,6 +12,7 @@ import torch
 
 import shmloader
 from arena import ArenaExhaustedError
+from tests.lifetime_checks import frees_its_loaders_on_failure
 
 from .fakes import Counting, Growing, KillsItself, Raises, Sleepy, Squares, pad_collate
 
@@ -304,3 +306,43 @@ def test_releasing_every_batch_early_keeps_a_one_slab_arena_going():
     assert len(kept) == 16
     assert loader.stats().batches_held == 0
     del kept, x, y
+
+
+class MetaAndSignedZeros(torch.utils.data.Dataset):
+    """Samples with a meta tensor (a shape placeholder) and a signed zero that flips every two
+    samples."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        spec = torch.empty(2, 3, device="meta")
+        return {"x": torch.full((4,), i), "spec": spec, "sign": -0.0 if (i // 2) % 2 else 0.0}
+
+
+def first_sign_as_a_float(samples):
+    """torch's default collate, but ``sign`` stays a Python float: the batch's first."""
+    rest = [{k: v for k, v in s.items() if k != "sign"} for s in samples]
+    batch = torch.utils.data.default_collate(rest)
+    batch["sign"] = samples[0]["sign"]
+    return batch
+
+
+@pytest.mark.parametrize("collate_fn", [None, first_sign_as_a_float], ids=["default", "custom"])
+@frees_its_loaders_on_failure
+def test_meta_tensors_and_signed_zeros_arrive_as_torch_yields_them(collate_fn):
+    # A user's meta tensor was taken for the default collate's own planning placeholder (every
+    # batch failed: "Cannot copy out of meta tensor"), and a cached payload for 0.0 was reused
+    # for -0.0 (a cache keyed by (float, value), and 0.0 == -0.0).
+    def seen(loader):
+        out = []
+        for b in loader:
+            sign = b["sign"].tolist() if torch.is_tensor(b["sign"]) else [b["sign"]]
+            spec = (b["spec"].device.type, tuple(b["spec"].shape))
+            out.append((b["x"][:, 0].tolist(), spec, [math.copysign(1, v) for v in sign]))
+        return out
+
+    kwargs = {"batch_size": 2, "num_workers": 2, "collate_fn": collate_fn}
+    ours = seen(shmloader.DataLoader(MetaAndSignedZeros(), **kwargs))
+    assert ours == seen(torch.utils.data.DataLoader(MetaAndSignedZeros(), **kwargs))
+    assert {signs[0] for *_, signs in ours} == {1.0, -1.0}
