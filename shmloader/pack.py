@@ -179,7 +179,12 @@ class Packed:
                 return None
         elif t is np.ndarray:
             code = DTYPE_CODE.get(obj.dtype.name)
-            if code is None or not DTYPES[code][2] or obj.dtype.byteorder == ">":
+            if (
+                code is None
+                or not DTYPES[code][2]
+                or obj.dtype.byteorder == ">"
+                or (obj.flags.f_contiguous and not obj.flags.c_contiguous)  # pickle keeps F order
+            ):
                 return None
             kind, tensor = NDARRAY, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
         else:

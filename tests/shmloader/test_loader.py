@@ -6,6 +6,7 @@ import math
 import os
 import signal
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -346,3 +347,31 @@ def test_meta_tensors_and_signed_zeros_arrive_as_torch_yields_them(collate_fn):
     ours = seen(shmloader.DataLoader(MetaAndSignedZeros(), **kwargs))
     assert ours == seen(torch.utils.data.DataLoader(MetaAndSignedZeros(), **kwargs))
     assert {signs[0] for *_, signs in ours} == {1.0, -1.0}
+
+
+def fortran_rows(samples):
+    """A Fortran-ordered NumPy leaf and a C-ordered one."""
+    rows = np.stack(samples)
+    return {"f": np.asfortranarray(rows), "c": rows}
+
+
+@frees_its_loaders_on_failure
+def test_numpy_leaves_keep_their_memory_order_as_torch_keeps_it():
+    kwargs = {"batch_size": 4, "num_workers": 2, "collate_fn": fortran_rows}
+
+    def seen(loader):
+        return [
+            (b["f"].tolist(), b["f"].flags.f_contiguous, b["c"].flags.c_contiguous) for b in loader
+        ]
+
+    ours = seen(shmloader.DataLoader(Rows(), **kwargs))
+    assert ours == seen(torch.utils.data.DataLoader(Rows(), **kwargs))
+    assert all(f and c for _, f, c in ours)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return np.arange(3, dtype=np.float32) + 10 * i
