@@ -184,8 +184,8 @@ class Leases:
                 n += self._give_back(x.slot)
             elif isinstance(x, Quarantine):  # lifted: its workers are gone
                 if x in self._quarantines:
-                    self._quarantines.remove(x)
-                    n += sum(self.arena.release(ref) for ref in x.held)
+                    self._quarantines.remove(x)  # (another iterator's workers may still read)
+                    n += sum(self._give_back(ref) for ref in x.held)
             else:
                 n += self.arena.release(x)  # a slot never lent: no copy can read it
         if fence is not None:

@@ -132,3 +132,19 @@ def test_an_interruption_while_a_batch_is_lent_leaves_no_slot_unwatched(arena, m
     leases.drain()  # the unreturned batch's views are gone: nothing is released twice
     assert arena.state(ref) is SlotState.FREE and leases.held == 0
     assert arena.stats().slots_free == arena.stats().slots_total
+
+
+def test_a_quarantined_slot_goes_back_only_once_every_quarantine_holding_it_is_lifted(arena):
+    # Two iterators of one loader fork their workers while the same batch is held: the slot may
+    # be reused only when the workers of both are gone, in whichever order they go.
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    batch = leases.open(desc)
+    first, second = leases.quarantine(), leases.quarantine()
+    assert first is not None and second is not None
+    del batch
+    assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT and leases.kept == 1
+    leases.lift(first)
+    assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT and leases.kept == 1
+    leases.lift(second)
+    assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE and leases.kept == 0
+    assert leases.quarantine() is None  # nothing lent: nothing to keep
