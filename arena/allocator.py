@@ -11,7 +11,9 @@ Invariants:
   generation it was handed out for. Releasing a ref whose generation is not the slot's current one
   is stale and a no-op; releasing the current generation twice is a bug and raises
   :class:`StaleSlotError`.
-- ``bytes_reserved <= max_bytes`` always; growth that would pass the cap does not happen.
+- ``bytes_reserved <= max_bytes``, except by an allowance the owner passes to :meth:`Arena.acquire`
+  (``past_cap``) for slots it holds but cannot use; other growth that would pass the cap does not
+  happen.
 - Size classes: a request that fits no existing class creates the class
   ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would pass
   the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
@@ -110,13 +112,15 @@ class Arena:
     # -- acquiring -----------------------------------------------------------------------------
 
     def acquire(
-        self, nbytes: int, timeout: float = 0.0, *, add_slab: bool = True
+        self, nbytes: int, timeout: float = 0.0, *, add_slab: bool = True, past_cap: int = 0
     ) -> SlotRef | None:
         """A WRITING slot of at least ``nbytes``, growing the arena if needed and allowed.
 
-        With ``add_slab=False`` only an existing free slot is taken (no growth). Returns ``None``
-        when no fitting slot became free within ``timeout`` seconds and growth was not allowed or
-        would pass the cap. Raises :class:`ArenaCapacityError` when ``nbytes`` can never fit.
+        With ``add_slab=False`` only an existing free slot is taken (no growth). Growth may pass
+        the cap by ``past_cap`` bytes (the owner's allowance for slots it holds but cannot use).
+        Returns ``None`` when no fitting slot became free within ``timeout`` seconds and growth
+        was not allowed or would pass the cap. Raises :class:`ArenaCapacityError` when ``nbytes``
+        can never fit.
         """
         need = page_align(nbytes)
         if need > self.max_bytes:
@@ -129,7 +133,7 @@ class Arena:
             if self._closed:
                 self._check_open()
             ref = self._take(need)
-            if ref is None and add_slab and self._grow(need):
+            if ref is None and add_slab and self._grow(need, past_cap):
                 ref = self._take(need)
             if ref is not None or timeout <= 0:
                 return ref
@@ -157,8 +161,8 @@ class Arena:
                 return SlotRef(slab_id, slot, gen)
         return None
 
-    def _grow(self, need: int) -> bool:
-        room = self.max_bytes - self._reserved
+    def _grow(self, need: int, past_cap: int = 0) -> bool:
+        room = self.max_bytes + past_cap - self._reserved
         fitting = self._classes[bisect.bisect_left(self._classes, need) :]
         if fitting:
             size = fitting[0]

@@ -16,11 +16,11 @@ Invariants:
   to a batch that is gone).
 - No slot the child copies is reused before its copy is complete: the parent can release a slot
   only after its own ``fork()`` has returned.
-- A loader's own workers (forked inside :func:`forking_workers`, in the forking thread only)
-  copy the slots every *other* loader lends, but not their own loader's: those stay shared, and
-  that loader keeps them from reuse until the workers are gone (:class:`~shmloader.lease.
-  Quarantine`). That costs no copy per worker; the workers' code (a dataset holding batches of
-  the same loader, say) still sees those batches as they were.
+- shmloader's workers (forked inside :func:`forking_workers`, in the forking thread only) copy
+  nothing: instead every loader of this process keeps the slots it lends at that fork from reuse
+  until those workers are gone (:func:`keep_for_workers`, :class:`~shmloader.lease.Quarantine`).
+  That costs no copy and no memory per worker, and the workers' code (a dataset holding batches
+  of this or another loader: a replay pool, a memory bank) still sees those batches as they were.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import select
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from arena import privatize
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 COPY_WAIT_S = 30.0  # longest a fork waits for the child to copy the batches it inherits
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
-# Per forking thread: the handshake pipe, from before the fork to after, and the loader whose own
-# workers it is starting (their slots are not copied). Thread-local: another thread's fork, even
-# while workers start here, copies everything.
+# Per forking thread: the handshake pipe, from before the fork to after, and whether it is
+# starting shmloader workers (which copy nothing). Thread-local: another thread's fork, even while
+# workers start here, copies as usual.
 _fork = threading.local()
 
 
@@ -54,24 +54,45 @@ def track(leases: Leases) -> None:
 
 
 @contextlib.contextmanager
-def forking_workers(own: Leases) -> Iterator[None]:
-    """Around starting the workers of the loader whose batches are ``own``, in this thread: their
-    forks do not copy ``own``'s slots (the loader keeps those from reuse instead)."""
-    _fork.own = own
+def forking_workers() -> Iterator[None]:
+    """Around starting shmloader workers in this thread, after :func:`keep_for_workers`: their
+    forks copy nothing."""
+    _fork.workers = True
     try:
         yield
     finally:
-        _fork.own = None
+        _fork.workers = False
+
+
+def keep_for_workers() -> Callable[[], None]:
+    """Before forking shmloader workers: every loader of this process keeps the slots it lends
+    now from reuse. Returns the function that lets them go once those workers are gone (safe to
+    call from a finalizer, and more than once)."""
+    pid = os.getpid()
+    kept = [
+        (leases, q)
+        for leases, owner in list(_tracked.items())
+        if owner == pid
+        for q in [leases.quarantine()]
+        if q is not None
+    ]
+
+    def lift() -> None:
+        for leases, q in kept:
+            leases.lift(q)
+
+    return lift
 
 
 def _lent(pid: int) -> list[tuple[int, int]]:
-    """The address ranges of the slots process ``pid`` lends, as of its last drain, except those
-    of the loader whose workers this thread is forking."""
-    own = getattr(_fork, "own", None)
+    """The address ranges of the slots process ``pid`` lends, as of its last drain; none while
+    this thread forks shmloader workers."""
+    if getattr(_fork, "workers", False):
+        return []
     return [
         (lease.lo, lease.hi - lease.lo)
         for leases, owner in list(_tracked.items())
-        if owner == pid and leases is not own
+        if owner == pid
         for lease in leases.live()
         if lease() is not None
     ]

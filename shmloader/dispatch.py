@@ -344,7 +344,10 @@ class Dispatch:
             self.answer(info, P.Failed(info.seq, self.epoch, info.worker_id, MainError(exc)))
 
     def _acquire(self, nbytes: int, grow: bool) -> SlotRef | None:
-        ref = self.arena.acquire(nbytes, add_slab=grow)
+        # Slots kept for workers forked while their batches were held do not count against the
+        # cap: the user no longer holds them, and they come back when those workers exit.
+        past_cap = self.host.leases.kept_bytes if grow and self.host.leases.kept else 0
+        ref = self.arena.acquire(nbytes, add_slab=grow, past_cap=past_cap)
         if ref is not None and ref.slab_id not in self._known_slabs:
             self._known_slabs.add(ref.slab_id)
             slab = self.arena.slab(ref.slab_id)

@@ -87,7 +87,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         self._host = host = host_for(self._pin_memory, self._pin_memory_device)
         self._leases = host.leases
         self._pid = os.getpid()
-        self._sup, self._progress = start_workers(self, loader, plan, self._pid, host.leases)
+        self._sup, self._progress = start_workers(self, loader, plan, self._pid)
         self._workers = self._sup.procs  # torch's name: pid, exitcode, is_alive(), join()
         max_tasks = (loader.prefetch_factor or 2) * nw
         self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order)

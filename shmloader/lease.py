@@ -22,9 +22,9 @@ Invariants:
 - With a :class:`~shmloader.fence.CopyFence` (a page-locked arena), the slot of a batch whose last
   view died, or that was released early, goes back only once the GPU has passed the copies the
   user may have queued from it; until then it stays LENT and is not counted in ``held``.
-- A slot lent when the loader's own workers were forked (they share its pages) goes back only
-  once those workers are gone (:class:`Quarantine`); until then it stays LENT, counted in
-  ``kept``, not in ``held``.
+- A slot lent when shmloader workers were forked (they share its pages) goes back only once
+  those workers are gone (:class:`Quarantine`); until then it stays LENT, counted in ``kept``,
+  not in ``held``, and not against the arena's cap.
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ class Lease(weakref.ref):  # type: ignore[type-arg]
 
 
 class Quarantine:
-    """The slots lent when a loader's own workers were forked. Those workers share the slots'
-    pages (they skip :mod:`shmloader.afterfork`'s private copy), and code they run may still
-    read a batch the main process has since dropped, as a torch worker reads its copy-on-write
-    one; so none of these slots is reused until the workers are gone (:meth:`Leases.lift`)."""
+    """The slots lent when shmloader workers (of any loader) were forked. Those workers share the
+    slots' pages (they skip :mod:`shmloader.afterfork`'s private copy), and code they run may
+    still read a batch the main process has since dropped, as a torch worker reads its
+    copy-on-write one; so none of these slots is reused until the workers are gone
+    (:meth:`Leases.lift`)."""
 
     __slots__ = ("active", "held", "refs")
 
@@ -100,8 +101,17 @@ class Leases:
         """Slots whose batch is gone, kept from reuse while workers forked with them live."""
         return sum(len(q.held) for q in self._quarantines)
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the slots counted in :attr:`kept`."""
+        return sum(
+            (self._slabs.get(ref.slab_id) or self._map(ref.slab_id))[1]
+            for q in self._quarantines
+            for ref in q.held
+        )
+
     def quarantine(self) -> Quarantine | None:
-        """Before forking this loader's own workers: keep every slot lent now out of use until
+        """Before forking shmloader workers: keep every slot lent now out of use until
         :meth:`lift`. None when nothing is lent."""
         refs = [lease.slot for lease in self._live.values() if lease() is not None]
         if not refs:

@@ -27,7 +27,6 @@ from shmloader._torch_compat import (
     _sharding_worker_init_fn,
 )
 from shmloader.collate import slot_default_collate
-from shmloader.lease import Leases
 from shmloader.progress import WorkerProgress
 from shmloader.rngstate import RngRing
 from shmloader.supervisor import Supervisor
@@ -39,12 +38,11 @@ def start_workers(
     loader: torch.utils.data.DataLoader[Any],
     plan: dict[str, Any] | None,
     main_pid: int,
-    leases: Leases,
 ) -> tuple[Supervisor, WorkerProgress]:
     """Start ``it``'s workers, with what a loaded state ``plan`` gives them back (see
     :mod:`shmloader.state`); the RNG ring they publish into lives as long as ``it``. Forked
-    workers share the slots of the batches ``leases`` lends now: those are kept from reuse until
-    the workers are gone (:class:`~shmloader.lease.Quarantine`)."""
+    workers share the slots of the batches every loader lends now: those are kept from reuse
+    until the workers are gone (:func:`shmloader.afterfork.keep_for_workers`)."""
     nw: int = it._num_workers
     # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
     rng_ring = RngRing.create(nw, (loader.prefetch_factor or 2) + 4, Backend.MEMFD)
@@ -94,10 +92,9 @@ def start_workers(
         )
         for i in range(nw)
     ]
-    kept = leases.quarantine() if ctx.get_start_method() == "fork" else None
-    on_exit = None if kept is None else functools.partial(leases.lift, kept)
+    on_exit = afterfork.keep_for_workers() if ctx.get_start_method() == "fork" else None
     try:
-        with afterfork.forking_workers(leases):
+        with afterfork.forking_workers():
             return Supervisor(ctx, configs, on_exit), progress
     except BaseException:
         if on_exit is not None:

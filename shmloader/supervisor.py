@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing.process
 import os
@@ -278,6 +279,19 @@ class Supervisor:
         if self._stopped:
             return
         self._stopped = True
+        try:
+            self._stop_all()
+        except BaseException:  # interrupted (Ctrl-C in a join): end them now, unwaited
+            for p in self.procs:
+                if p.exitcode is None:
+                    with contextlib.suppress(OSError):
+                        p.kill()
+            raise
+        finally:  # the slots kept for them (none of their code runs any more) come back
+            if self._on_exit is not None:
+                self._on_exit()
+
+    def _stop_all(self) -> None:
         for wid, p in enumerate(self.procs):
             if p.exitcode is None:
                 self.send(wid, P.Stop())
@@ -293,8 +307,6 @@ class Supervisor:
                 p.join(KILL_S)
         for c in self.conns:
             c.close()
-        if self._on_exit is not None:
-            self._on_exit()
         # The process objects stay open: the iterator exposes them as torch's ``_workers``
         # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
 

@@ -48,7 +48,6 @@ import torch
 
 import shmloader
 from shmloader import afterfork
-from shmloader.lease import Leases
 from tests.fault_datasets import Gate
 from tests.forked import ForkedChild
 from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, states
@@ -161,19 +160,19 @@ def _wait_readable(fd: int, seconds: float) -> None:
 
 
 @pytest.fixture(params=["alone", "while-another-thread-starts-workers"])
-def other_thread(request: pytest.FixtureRequest) -> Iterator[Callable[[Leases], None]]:
-    """A function of a loader's leases: it does nothing, or it has another thread sit inside
-    ``forking_workers`` for those leases (starting that loader's workers, which can take seconds
-    under spawn) for the rest of the test. That must not change what this thread's forks copy."""
+def other_thread(request: pytest.FixtureRequest) -> Iterator[Callable[[], None]]:
+    """A function that does nothing, or has another thread sit inside ``forking_workers``
+    (starting shmloader workers, which can take seconds under spawn) for the rest of the test.
+    That must not change what this thread's forks copy."""
     entered, leave = threading.Event(), threading.Event()
     threads = []
 
-    def start(leases: Leases) -> None:
+    def start() -> None:
         if request.param == "alone":
             return
 
         def starting_workers() -> None:
-            with afterfork.forking_workers(leases):
+            with afterfork.forking_workers():
                 entered.set()
                 leave.wait(HANG_S)
 
@@ -192,7 +191,7 @@ def other_thread(request: pytest.FixtureRequest) -> Iterator[Callable[[Leases], 
 @frees_its_loaders_on_failure
 def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slot(
     descriptors: None,
-    other_thread: Callable[[Leases], None],
+    other_thread: Callable[[], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     unraisable: list[str] = []  # an exception in a fork hook is only "ignored": catch it
@@ -203,7 +202,7 @@ def test_a_forked_child_keeps_the_batch_it_holds_while_the_parent_reuses_its_slo
     it = iter(loader)
     held = [next(it)]
     slot = held[0][0].data_ptr()
-    other_thread(loader._host.leases)
+    other_thread()
     go_r, go_w = os.pipe()
 
     def child_body() -> dict[str, Any]:
@@ -263,6 +262,8 @@ def test_another_loaders_workers_keep_the_batches_their_dataset_holds() -> None:
     replayed = iter(replay)  # its worker is forked holding the pool
     gate.wait_reached()
     pool.batches = []  # the main process lets the pool go, and trains on
+    first.stats()  # a drain: the pool's slots are kept for the replay worker, not copied into it
+    assert first._host.leases.kept == 4
     reused = 0
     for k in range(4, 100):
         x, y = next(it)
@@ -270,7 +271,7 @@ def test_another_loaders_workers_keep_the_batches_their_dataset_holds() -> None:
         reused += x.data_ptr() in slots
     gate.open()
     rows = [(int(x[0]), int(y)) for xs, ys in replayed for x, y in zip(xs, ys, strict=True)]
-    assert reused > 0, "the first loader never reused a slot of the pool"
+    assert reused == 0, "a slot the replay worker may still read was reused"
     assert rows == [(row_value(i), i) for i in range(16)], rows
 
 
@@ -312,6 +313,63 @@ def test_a_loaders_own_workers_keep_the_batches_its_dataset_held_when_they_start
     assert reused == 0, "a slot the workers may still read was reused during their epoch"
     gc.collect()
     left = states(loader)  # the workers are gone: the kept slots went back
+    assert (left["lent"], left["ready"], left["writing"]) == (0, 0, 0), left
+
+
+@frees_its_loaders_on_failure
+def test_slots_kept_for_a_new_epochs_workers_do_not_make_a_tight_cap_fail() -> None:
+    # At a cap of 2 slots, each epoch's worker forks while the loop variable still holds the
+    # previous epoch's last batch; that slot is kept for the epoch, and must not count against
+    # the cap (it raised ArenaExhaustedError in the second epoch, where torch runs).
+    kwargs: dict[str, Any] = {"batch_size": 4, "num_workers": 1, "prefetch_factor": 1}
+    probe = shmloader.DataLoader(TorchRows(16, 256), **kwargs)
+    next(iter(probe))
+    slot = probe.stats().arena.slot_sizes[0]
+    del probe
+    loader = shmloader.DataLoader(
+        TorchRows(16, 256),
+        arena_max_bytes=2 * slot,
+        arena_slots_per_slab=2,
+        timeout=LOADER_TIMEOUT_S,
+        **kwargs,
+    )
+    for _ in range(3):
+        wrong = []
+        for k, (x, y) in enumerate(loader):  # x, y outlive the loop, as in a training script
+            if not batch_ok(x, y, k, 256):
+                wrong.append(k)
+        assert wrong == []
+        assert loader.stats().arena.bytes_reserved <= 3 * slot  # the cap plus the kept slot
+
+
+@frees_its_loaders_on_failure
+def test_an_interrupted_teardown_still_gives_back_the_slots_kept_for_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(64, 256), batch_size=4, num_workers=1, timeout=LOADER_TIMEOUT_S
+    )
+    first = iter(loader)
+    held = next(first)
+    del first
+    second = iter(loader)  # its worker forks while `held` is lent: that slot is kept
+    next(second)
+    del held
+    gc.collect()
+    loader.stats()  # a drain: the dead batch's slot is kept, not freed
+    assert loader._host.leases.kept == 1
+
+    def interrupted(self: Any, timeout: float) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while teardown waits for the worker
+
+    monkeypatch.setattr("shmloader.supervisor.Supervisor._flush_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        second._shutdown_workers()
+    monkeypatch.undo()
+    del second
+    gc.collect()
+    left = states(loader)
+    assert loader._host.leases.kept == 0
     assert (left["lent"], left["ready"], left["writing"]) == (0, 0, 0), left
 
 
