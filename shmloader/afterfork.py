@@ -7,7 +7,7 @@ batches are shared-memory files never reused, or private memory copied on write)
 after a fork, the child replaces the slot of every batch its parent was lending by a private
 copy of the same bytes (:func:`arena.privatize`), and the parent's ``fork()`` returns only once
 the child has done so or has died (it warns if the copy failed, or took over
-:data:`COPY_WAIT_S`). A child that never reads the batches, such as another DataLoader's
+:data:`COPY_WAIT_S`). A child that never reads the batches, such as a torch DataLoader's
 worker, pays that copy too: the held batches' bytes, once per child.
 
 Invariants:
