@@ -346,7 +346,7 @@ class Dispatch:
     def _acquire(self, nbytes: int, grow: bool) -> SlotRef | None:
         # Slots kept for workers forked while their batches were held do not count against the
         # cap: the user no longer holds them, and they come back when those workers exit.
-        past_cap = self.host.leases.kept_bytes if grow and self.host.leases.kept else 0
+        past_cap = self.host.leases.kept_bytes if grow else 0
         ref = self.arena.acquire(nbytes, add_slab=grow, past_cap=past_cap)
         if ref is not None and ref.slab_id not in self._known_slabs:
             self._known_slabs.add(ref.slab_id)

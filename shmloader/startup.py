@@ -92,11 +92,7 @@ def start_workers(
         )
         for i in range(nw)
     ]
+    # A supervisor that fails to start tears itself down, and so calls on_exit itself.
     on_exit = afterfork.keep_for_workers() if ctx.get_start_method() == "fork" else None
-    try:
-        with afterfork.forking_workers():
-            return Supervisor(ctx, configs, on_exit), progress
-    except BaseException:
-        if on_exit is not None:
-            on_exit()  # (again, if the half-started supervisor's teardown already did)
-        raise
+    with afterfork.forking_workers():
+        return Supervisor(ctx, configs, on_exit), progress

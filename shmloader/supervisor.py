@@ -31,7 +31,7 @@ import signal
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -200,7 +200,7 @@ class Supervisor:
             self.retired.add(worker_id)
             self._poll = None
 
-    def deaths(self, gone: set[int] | frozenset[int] = frozenset()) -> list[WorkerDeath]:
+    def deaths(self, gone: Container[int] = ()) -> list[WorkerDeath]:
         """Workers that should be alive but have exited. ``gone``: workers whose sentinel fired
         or whose pipe closed; one of them that was reaped elsewhere never gets an exit code."""
         out = []
