@@ -23,8 +23,10 @@ Invariants:
   always prefers the smallest class that fits.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
-- Thread safety: every method takes one lock. The lock is never taken from a garbage-collector
-  callback (the loader defers releases to safe points), so it needs no re-entrance.
+- Thread safety: every method takes one lock. It is re-entrant, so code that runs inside an
+  arena call of its own thread (a signal handler, a ``__del__`` run by the garbage collector)
+  can still read :meth:`Arena.stats`; an owner that would change slots from there asks
+  :meth:`Arena.owned_here` first and defers (the loader does).
 - After ``close()`` the slabs are unmapped in this process (views still alive keep their pages) and
   ``acquire`` raises, but bookkeeping goes on: late releases still move slots to FREE, so
   statistics taken after close stay true.
@@ -91,7 +93,7 @@ class Arena:
         self.slots_per_slab = slots_per_slab
         # The hot paths take the bare lock (``with self._lock``: no Python-level __enter__);
         # waits and notifies go through the condition built on that same lock.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._slabs: dict[int, Slab] = {}
         self._states: dict[int, list[SlotState]] = {}
@@ -321,6 +323,18 @@ class Arena:
     def slabs(self) -> list[Slab]:
         with self._cond:
             return list(self._slabs.values())
+
+    def owned_here(self) -> bool:
+        """Whether the calling thread is inside an arena call (holds its lock)."""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    def let_go_after_fork(self, keep: list[tuple[int, int]]) -> None:
+        """In a forked child that will not use this arena: give up its shared memory, but for
+        the address ranges in ``keep`` (:meth:`Segment.let_go_after_fork`). Takes no lock: the
+        child's copy of it may be held for good, by a thread of the parent that does not exist
+        here; under the GIL the slab table is never half-changed."""
+        for slab in list(self._slabs.values()):
+            slab.segment.let_go_after_fork(keep)
 
     def slot_buffer(self, ref: SlotRef) -> memoryview:
         return self._slabs[ref.slab_id].slot_buffer(ref.slot)

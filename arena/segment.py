@@ -19,7 +19,8 @@ Invariants:
 - Every mapping is pre-faulted (``MAP_POPULATE``), in the owner and in each attacher, so steady
   state takes no page faults.
 - ``close()`` unmaps and closes this process's handle; it is idempotent. If views still export the
-  mapping, the mapping is left to die with the last view (it is never pulled out from under them).
+  mapping, the mapping is left to die with the last view (it is never pulled out from under them),
+  and at interpreter exit it is left to the kernel: a view may be read until the process ends.
 - Only the owner keeps a descriptor (attachers reopen it through ``/proc``); an attacher closes
   its own as soon as the segment is mapped, so a process needs one descriptor per slab only where
   the arena lives. Running out of descriptors is a ``RuntimeError`` naming ``ulimit -n``.
@@ -154,11 +155,16 @@ def _map(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
     array = (ctypes.c_char * size).from_address(addr)
-    weakref.finalize(array, _libc.munmap, addr, size)
+    # Not at interpreter exit: weakref's exit hook would run this while views still live, and
+    # code that runs after it (an atexit handler registered earlier, a ``__del__``, logging's
+    # flush of buffered records, a daemon thread) would read unmapped memory. The kernel unmaps
+    # everything when the process ends.
+    weakref.finalize(array, _libc.munmap, addr, size).atexit = False
     return array
 
 
 _MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+_MAP_NORESERVE = 0x4000  # Linux
 
 
 def privatize(addr: int, nbytes: int) -> None:
@@ -179,6 +185,25 @@ def privatize(addr: int, nbytes: int) -> None:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of a private copy of {nbytes:,} bytes failed: {os.strerror(err)}")
     ctypes.memmove(addr, saved, nbytes)
+
+
+def forsake(addr: int, nbytes: int) -> None:
+    """Replace ``[addr, addr + nbytes)`` of a shared mapping, in this process only, by private
+    zero pages that take no memory until written (``addr`` and ``nbytes`` whole pages). For a
+    forked child that will never read those bytes: it no longer keeps the segment's memory
+    alive once every other process lets it go. The address range stays reserved, so unmapping
+    the whole mapping later cannot hit a mapping made there since."""
+    got = _libc.mmap(
+        addr,
+        nbytes,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
+        -1,
+        0,
+    )
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap over {nbytes:,} shared bytes failed: {os.strerror(err)}")
 
 
 def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
@@ -267,6 +292,7 @@ class Segment:
         self.backend = backend
         self.owner_pid = owner_pid
         self.buffer: memoryview = memoryview(self._mapping).cast("B")
+        self.address = ctypes.addressof(self._mapping)  # where it is mapped in this process
 
     @classmethod
     def create(cls, nbytes: int, backend: Backend | str = Backend.AUTO) -> Segment:
@@ -315,6 +341,23 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
+
+    def let_go_after_fork(self, keep: list[tuple[int, int]]) -> None:
+        """In a forked child: stop sharing this segment, but for the ``(address, bytes)`` ranges
+        in ``keep``. The rest of the mapping becomes empty private pages (:func:`forsake`) and
+        the inherited descriptor is closed, so once the owner lets the memory go, this child
+        does not keep it alive. Later, this object closes nothing more in the child."""
+        if self._mapping is not None:
+            at, end = self.address, self.address + self.size
+            for lo, n in sorted(r for r in keep if self.address <= r[0] < end):
+                if lo > at:
+                    forsake(at, lo - at)
+                at = max(at, lo + n)
+            if at < end:
+                forsake(at, end - at)
+        if self._fd_closer is not None and self._fd_closer.detach() is not None:
+            os.close(self._fd)  # the inherited copy: the owner keeps its own
+        self._fd = -1
 
     @property
     def spec(self) -> SegmentSpec:

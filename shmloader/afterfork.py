@@ -1,4 +1,5 @@
-"""Batches held across ``fork()``: a process forked while the user holds batches keeps them.
+"""Batches held across ``fork()``: a process forked while the user holds batches keeps them, and
+lets go of the rest of its parent's arenas.
 
 A held batch is a view of a slot of a shared mapping, and a forked child inherits that mapping
 shared. Once the parent drops the batch, the slot goes back to the workers, and without this
@@ -10,17 +11,30 @@ the child has done so or has died (it warns if the copy failed, or took over
 :data:`COPY_WAIT_S`). A child that never reads the batches, such as a torch DataLoader's
 worker, pays that copy too: the held batches' bytes, once per child.
 
+Every other part of the parent's arenas (free slots, slots being written, slots of dropped
+batches) the child never reads, so it replaces those mappings by empty private pages
+(:func:`arena.forsake`) and closes the slabs' inherited descriptors. Otherwise a long-lived
+child (a persistent worker of another loader, a ``multiprocessing.Process``) would keep every
+slab alive in ``/dev/shm`` after the parent gave it back or dropped its loader, unseen by
+``stats()``. (The slab of a slot a shmloader worker shares stays alive until that worker
+exits.)
+
 Invariants:
 - Only slots lent by the forking process are copied (a grandchild's copies came with its parent),
   and only the slots of batches whose views are still alive (a slot the copy fence holds belongs
   to a batch that is gone).
-- No slot the child copies is reused before its copy is complete: the parent can release a slot
-  only after its own ``fork()`` has returned.
+- No slot the child copies is reused before its copy is complete: from just before the fork until
+  the child has reported, every loader keeps the slots it lends from reuse (a quarantine, lifted
+  in the parent after the fork), since the parent's other threads run on meanwhile and may drop
+  those batches.
 - shmloader's workers (forked inside :func:`forking_workers`, in the forking thread only) copy
   nothing: instead every loader of this process keeps the slots it lends at that fork from reuse
-  until those workers are gone (:func:`keep_for_workers`, :class:`~shmloader.lease.Quarantine`).
-  That costs no copy and no memory per worker, and the workers' code (a dataset holding batches
-  of this or another loader: a replay pool, a memory bank) still sees those batches as they were.
+  until those workers are gone (:func:`keep_lent`, :class:`~shmloader.lease.Quarantine`), and
+  the workers keep sharing those slots' pages. That costs no copy and no memory per worker, and
+  the workers' code (a dataset holding batches of this or another loader: a replay pool, a
+  memory bank) still sees those batches as they were.
+- Nothing here takes a lock in the child (another thread of the parent may have held it at the
+  fork): the child reads its copy of the parent's tables under the GIL.
 """
 
 from __future__ import annotations
@@ -42,9 +56,9 @@ if TYPE_CHECKING:
 COPY_WAIT_S = 30.0  # longest a fork waits for the child to copy the batches it inherits
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
-# Per forking thread: the handshake pipe, from before the fork to after, and whether it is
-# starting shmloader workers (which copy nothing). Thread-local: another thread's fork, even while
-# workers start here, copies as usual.
+# Per forking thread, from before the fork to after: the forking pid, the handshake pipe, the
+# quarantine to lift, and whether it is starting shmloader workers (which copy nothing).
+# Thread-local: another thread's fork, even while workers start here, copies as usual.
 _fork = threading.local()
 
 
@@ -55,7 +69,7 @@ def track(leases: Leases) -> None:
 
 @contextlib.contextmanager
 def forking_workers() -> Iterator[None]:
-    """Around starting shmloader workers in this thread, after :func:`keep_for_workers`: their
+    """Around starting shmloader workers in this thread, after :func:`keep_lent`: their
     forks copy nothing."""
     _fork.workers = True
     try:
@@ -64,10 +78,10 @@ def forking_workers() -> Iterator[None]:
         _fork.workers = False
 
 
-def keep_for_workers() -> Callable[[], None]:
-    """Before forking shmloader workers: every loader of this process keeps the slots it lends
-    now from reuse. Returns the function that lets them go once those workers are gone (safe to
-    call from a finalizer, and more than once)."""
+def keep_lent() -> Callable[[], None]:
+    """Every loader of this process keeps the slots it lends now from reuse (before forking
+    shmloader workers, or a child that copies them). Returns the function that lets them go once
+    no child needs them (safe to call from a finalizer, and more than once)."""
     pid = os.getpid()
     kept = [
         (leases, q)
@@ -85,10 +99,7 @@ def keep_for_workers() -> Callable[[], None]:
 
 
 def _lent(pid: int) -> list[tuple[int, int]]:
-    """The address ranges of the slots process ``pid`` lends, as of its last drain; none while
-    this thread forks shmloader workers."""
-    if getattr(_fork, "workers", False):
-        return []
+    """The address ranges of the slots process ``pid`` lends, as of its last drain."""
     return [
         (lease.lo, lease.hi - lease.lo)
         for leases, owner in list(_tracked.items())
@@ -98,10 +109,22 @@ def _lent(pid: int) -> list[tuple[int, int]]:
     ]
 
 
+def _let_go(pid: int, keep: list[tuple[int, int]]) -> None:
+    """In a child: give up process ``pid``'s arenas but the ranges in ``keep``."""
+    arenas = {id(x.arena): x.arena for x, owner in list(_tracked.items()) if owner == pid}
+    for arena in arenas.values():
+        arena.let_go_after_fork(keep)
+
+
 def _before() -> None:
-    _fork.copy = bool(_lent(os.getpid()))
+    pid = os.getpid()
+    _fork.parent = pid
     _fork.pipe = None
+    _fork.lift = None
+    _fork.copy = not getattr(_fork, "workers", False) and bool(_lent(pid))
     if _fork.copy:
+        # The parent's other threads run on while the child copies, and may drop those batches.
+        _fork.lift = keep_lent()
         with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child still
             _fork.pipe = os.pipe()  # copies, but the parent cannot wait for it
 
@@ -120,27 +143,34 @@ def _my_end(child: bool) -> int | None:
 
 def _in_child() -> None:
     copy, _fork.copy = getattr(_fork, "copy", False), False
+    parent, _fork.parent = getattr(_fork, "parent", None), None
+    _fork.lift = None  # the parent's to call
     w = _my_end(child=True)
-    if not copy:
+    if parent is None:
         return
     done = b"x"  # copying failed: the parent warns
+    keep = _lent(parent)
     try:
-        for addr, nbytes in _lent(os.getppid()):
-            privatize(addr, nbytes)
+        if copy:
+            for addr, nbytes in keep:
+                privatize(addr, nbytes)
         done = b"c"
     finally:
         if w is not None:
             with contextlib.suppress(OSError):
                 os.write(w, done)
             os.close(w)
+    with contextlib.suppress(OSError):  # (no memory for the page tables: a mapping stays)
+        _let_go(parent, keep)
 
 
 def _in_parent() -> None:
     _fork.copy = False
+    lift, _fork.lift = getattr(_fork, "lift", None), None
     r = _my_end(child=False)
-    if r is None:
-        return
     try:
+        if r is None:
+            return
         poller = select.poll()  # not select(): descriptors past 1024 are common in big jobs
         poller.register(r, select.POLLIN)
         if not poller.poll(int(COPY_WAIT_S * 1000)):
@@ -148,7 +178,10 @@ def _in_parent() -> None:
         elif os.read(r, 1) == b"x":  # (EOF: the child died first, and holds nothing)
             _warn("could not copy them (out of memory?)")
     finally:
-        os.close(r)
+        if r is not None:
+            os.close(r)
+        if lift is not None:
+            lift()
 
 
 def _warn(what: str) -> None:

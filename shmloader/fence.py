@@ -21,15 +21,19 @@ Invariants:
 - Copies queued on the current stream (of the pinned device, at the drain) are covered. A copy on
   another stream must be waited for by the user, for example with ``DevicePrefetcher``, which
   holds each host batch until its own copy event has completed.
+- Threads: the owner serializes every call (:class:`~shmloader.lease.Leases` holds its lock);
+  :meth:`CopyFence.settle` takes that lock and holds it only between its waits.
 - The event factory is a seam (:data:`EventFactory`): tests pass fakes, with no GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from arena import SlotRef
 
@@ -126,16 +130,26 @@ class CopyFence:
             out += refs
         return out
 
-    def settle(self, timeout: float) -> list[SlotRef]:
+    def settle(
+        self, timeout: float, lock: AbstractContextManager[Any] | None = None
+    ) -> list[SlotRef]:
         """The held slots whose event completes within ``timeout`` seconds, oldest first; the
-        rest stay held."""
+        rest stay held. ``lock`` (the owner's, when other threads use the fence too) is held
+        while the fence is read or changed, never while it waits."""
         out: list[SlotRef] = []
         deadline = time.monotonic() + timeout
-        while self._held:
-            event, refs = self._held[0]
-            if not event.wait(max(0.0, deadline - time.monotonic())):  # raising: stays held
-                break
-            self._held.popleft()
-            self._spare.append(event)
-            out += refs
-        return out
+        lock = lock or contextlib.nullcontext()
+        while True:
+            with lock:
+                if not self._held:
+                    return out
+                oldest = self._held[0]
+            if not oldest[0].wait(max(0.0, deadline - time.monotonic())):  # raising: stays held
+                return out
+            with lock:
+                # Another thread may have released this group meanwhile (and its event may be
+                # recorded again since, for another group): only this very entry is ours.
+                if self._held and self._held[0] is oldest:
+                    self._held.popleft()
+                    self._spare.append(oldest[0])
+                    out += oldest[1]

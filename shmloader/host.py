@@ -65,8 +65,15 @@ class ArenaHost:
         return self.pid == os.getpid()
 
     def snapshot(self) -> LoaderStats:
-        held = self.leases.held  # drains first: deaths since the last batch are counted
-        return LoaderStats(self.arena.stats(), held, self.pinner.pinned_bytes, self.worker_pids)
+        leases = self.leases
+        with leases.lock:  # one moment: no batch is lent between the reads
+            held = leases.held  # drains first: deaths since the last batch are counted
+            arena = self.arena.stats()
+            kept, kept_bytes = leases.kept, leases.kept_bytes
+        return LoaderStats(
+            arena, held, self.pinner.pinned_bytes, self.worker_pids,
+            slots_kept=kept, bytes_kept=kept_bytes,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Unregister pinned slabs, then close the arena. Idempotent."""

@@ -16,6 +16,11 @@ Invariants:
   view's death (the weakref callback) and an iterator's finalizer only *append* to :attr:`dead`
   (``deque.append``, atomic under the GIL). The owner drains :attr:`dead` at safe points
   (:meth:`Leases.drain`: each ``__next__``, each ``stats()``, before the arena grows).
+- Threads: one re-entrant lock guards the lease tables, the fence and the quarantines, so
+  ``stats()``, ``shmloader.release()`` and the iterator may run in different threads. Code that
+  runs *inside* a lease or arena operation of its own thread (a signal handler, a ``__del__``
+  run by the garbage collector) and calls back in never waits for that thread: a drain there
+  does nothing, and an early release is queued on :attr:`dead` for the next drain.
 - Every release names a generation: a second release of a lease, or of a slot that has moved on
   to another batch, is a no-op that returns 0.
 - ``held`` (after a drain) is the number of batches lent and not yet returned.
@@ -29,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -78,6 +84,9 @@ class Leases:
         fenced: Callable[[int], bool] = lambda slab_id: True,
     ) -> None:
         self.arena = arena
+        # Guards everything below but `dead` against other threads (see the module's invariants).
+        self.lock = threading.RLock()
+        self._inside: int | None = None  # the thread inside a drain, early release or settle
         self.fence = fence  # None: slots go back as soon as their batch is gone
         self._fenced = fenced  # whether a slab's slots go through the fence (it is page-locked)
         self.dead: deque[Lease | SlotRef | Quarantine] = deque()  # appended from callbacks
@@ -99,26 +108,35 @@ class Leases:
     @property
     def kept(self) -> int:
         """Slots whose batch is gone, kept from reuse while workers forked with them live."""
-        return sum(len(q.held) for q in self._quarantines)
+        with self.lock:
+            return sum(len(q.held) for q in self._quarantines)
 
     @property
     def kept_bytes(self) -> int:
         """Bytes of the slots counted in :attr:`kept`."""
-        return sum(
-            (self._slabs.get(ref.slab_id) or self._map(ref.slab_id))[1]
-            for q in self._quarantines
-            for ref in q.held
-        )
+        with self.lock:
+            return sum(
+                (self._slabs.get(ref.slab_id) or self._map(ref.slab_id))[1]
+                for q in self._quarantines
+                for ref in q.held
+            )
+
+    def busy_here(self) -> bool:
+        """Whether the calling thread is inside a lease or arena operation already: code that
+        runs there (a signal handler, a ``__del__`` run by the garbage collector) must not drain
+        or release."""
+        return self._inside == threading.get_ident() or self.arena.owned_here()
 
     def quarantine(self) -> Quarantine | None:
-        """Before forking shmloader workers: keep every slot lent now out of use until
-        :meth:`lift`. None when nothing is lent."""
-        refs = [lease.slot for lease in self._live.values() if lease() is not None]
-        if not refs:
-            return None
-        q = Quarantine(refs)
-        self._quarantines.append(q)
-        return q
+        """Before a fork: keep every slot lent now out of use until :meth:`lift`. None when
+        nothing is lent."""
+        with self.lock:
+            refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
+            if not refs:
+                return None
+            q = Quarantine(refs)
+            self._quarantines.append(q)
+            return q
 
     def lift(self, q: Quarantine) -> None:
         """The workers forked under ``q`` are gone: its slots may be reused. Safe to call from a
@@ -138,6 +156,10 @@ class Leases:
     def open(self, msg: P.Ready) -> Any:
         """The batch a READY message names, as views of its slot; the slot becomes LENT. If the
         batch cannot be rebuilt, its slot is released and the error propagates."""
+        with self.lock:
+            return self._open(msg)
+
+    def _open(self, msg: P.Ready) -> Any:
         ref = msg.ref
         lease = None
         try:
@@ -179,7 +201,18 @@ class Leases:
 
     def drain(self) -> int:
         """Release the slots of every batch whose views died, and of every slot a finalizer
-        queued. Call only at a safe point (never from a callback). Returns how many."""
+        queued. Call only at a safe point (never from a callback); re-entered from one (see
+        :meth:`busy_here`) it does nothing. Returns how many."""
+        if self.busy_here():
+            return 0
+        with self.lock:
+            self._inside = threading.get_ident()
+            try:
+                return self._drain()
+            finally:
+                self._inside = None
+
+    def _drain(self) -> int:
         dead, live, n = self.dead, self._live, 0
         fence, held = self.fence, []
         while dead:
@@ -218,10 +251,17 @@ class Leases:
 
     def settle(self, timeout: float) -> int:
         """Wait at most ``timeout`` seconds for the GPU to pass the copies from the slots the
-        fence holds, and release those it passed. Returns how many."""
+        fence holds, and release those it passed. Returns how many. Other threads may drain
+        and take ``stats()`` while it waits."""
         if not self.fence:
             return 0
-        return sum(self._give_back(ref) for ref in self.fence.settle(timeout))
+        passed = self.fence.settle(timeout, self.lock)
+        with self.lock:
+            self._inside = threading.get_ident()
+            try:
+                return sum(self._give_back(ref) for ref in passed)
+            finally:
+                self._inside = None
 
     def _forget(self, lease: Lease) -> None:
         del self._live[id(lease)]
@@ -234,8 +274,29 @@ class Leases:
         """Return the slots of ``batch`` now, whatever views remain: through the fence, if any,
         unless the caller knows every copy from them has completed (``copies_done``). Returns
         how many; 0 for a batch released before (its generation has moved on) or holding no
-        slot."""
-        self.drain()
+        slot. Re-entered from a lease or arena operation of this thread (see :meth:`busy_here`),
+        the release is queued for the next drain instead."""
+        if self.busy_here():
+            return self._queue_release(batch)
+        with self.lock:
+            self._inside = threading.get_ident()
+            try:
+                return self._release_early(batch, copies_done)
+            finally:
+                self._inside = None
+
+    def _queue_release(self, batch: Any) -> int:
+        found: dict[int, Lease] = {}
+        for obj in leaves_in(batch):
+            key, ptr = _key_of(obj)
+            lease = self._by_key.get(key)
+            if lease is not None and id(lease) in self._live and lease.lo <= ptr < lease.hi:
+                found[id(lease)] = lease
+        self.dead.extend(found.values())  # the next drain releases them, as if they had died
+        return len(found)
+
+    def _release_early(self, batch: Any, copies_done: bool) -> int:
+        self._drain()
         n = 0
         for obj in leaves_in(batch):
             key, ptr = _key_of(obj)

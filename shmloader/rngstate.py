@@ -37,6 +37,10 @@ import struct
 from typing import Any, Final
 
 import numpy as np
+
+# Imported now, not lazily at first use: a fork while another thread ran that import would leave
+# its module lock held for good in the child (a worker seeding NumPy would hang).
+import numpy.random
 import torch
 
 from arena import Slab, SlabSpec

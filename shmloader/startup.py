@@ -42,7 +42,7 @@ def start_workers(
     """Start ``it``'s workers, with what a loaded state ``plan`` gives them back (see
     :mod:`shmloader.state`); the RNG ring they publish into lives as long as ``it``. Forked
     workers share the slots of the batches every loader lends now: those are kept from reuse
-    until the workers are gone (:func:`shmloader.afterfork.keep_for_workers`)."""
+    until the workers are gone (:func:`shmloader.afterfork.keep_lent`)."""
     nw: int = it._num_workers
     # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
     rng_ring = RngRing.create(nw, (loader.prefetch_factor or 2) + 4, Backend.MEMFD)
@@ -93,6 +93,6 @@ def start_workers(
         for i in range(nw)
     ]
     # A supervisor that fails to start tears itself down, and so calls on_exit itself.
-    on_exit = afterfork.keep_for_workers() if ctx.get_start_method() == "fork" else None
+    on_exit = afterfork.keep_lent() if ctx.get_start_method() == "fork" else None
     with afterfork.forking_workers():
         return Supervisor(ctx, configs, on_exit), progress

@@ -42,6 +42,9 @@ class LoaderStats:
     - ``rank``, ``world_size``: the ``torch.distributed`` rank of the process the loader lives in
       and the job's world size (0 and 1 outside a process group). The arena, and its
       ``arena_max_bytes`` cap, is per rank.
+    - ``slots_kept``, ``bytes_kept``: lent slots whose batch you dropped, kept from reuse until
+      the shmloader workers forked while you held it exit (they may still read it:
+      :mod:`shmloader.afterfork`); they do not count against the cap.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or
@@ -51,8 +54,9 @@ class LoaderStats:
     - ``bytes_in_use``: reserved bytes in slots that are not free (writing, ready or lent).
     - ``bytes_by_state`` / ``slots_by_state``: bytes and slots per slot state (``free``,
       ``writing``: a worker collates into it, ``ready``: written, waiting its turn, ``lent``:
-      views of it are out with the user or, in a page-locked arena, its batch is gone but a
-      GPU copy queued from it may not have run yet: :mod:`shmloader.fence`).
+      views of it are out with the user; or its batch is gone but it is kept (``slots_kept``);
+      or, in a page-locked arena, a GPU copy queued from it may not have run yet:
+      :mod:`shmloader.fence`).
     - ``slots_total``, ``slots_free``: slots in all slabs, and those free.
     - ``slot_sizes``: the slot size classes in bytes, ascending.
     - ``high_water_bytes``: the most bytes ever in use at once.
@@ -65,6 +69,8 @@ class LoaderStats:
     worker_pids: tuple[int, ...]
     rank: int = 0
     world_size: int = 1
+    slots_kept: int = 0
+    bytes_kept: int = 0
 
     @property
     def backend(self) -> str:
@@ -137,6 +143,8 @@ class LoaderStats:
         row["pinned_bytes"] = self.pinned_bytes
         row["rank"] = self.rank
         row["world_size"] = self.world_size
+        row["slots_kept"] = self.slots_kept
+        row["bytes_kept"] = self.bytes_kept
         return row
 
 
