@@ -49,7 +49,7 @@ from shmloader.lease import Leases
 from shmloader.reorder import TaskInfo, TaskTable
 from shmloader.supervisor import Supervisor
 
-Answer = P.Ready | P.Failed
+Answer = P.Ready | P.Failed | P.Dropped
 
 FENCE_WARN_S = 30.0  # a wait for the GPU's copies warns each time this passes without an end
 
@@ -101,6 +101,7 @@ class Dispatch:
         self.unsent: dict[int, Any] = {}  # seq -> index: decided, waiting for a free slot
         self.wanting: dict[int, int] = {}  # seq -> bytes of a slot a sent task waits for
         self.asked: set[int] = set()  # seqs whose worker sent NEED_SLOT and waits
+        self.denied: dict[int, ArenaCapacityError] = {}  # seq -> why: DENY sent, not yet acked
         # (epoch, seq) -> (worker, slots) of tasks of abandoned epochs not yet answered
         self.orphans: dict[tuple[int, int], Orphan] = {}
         self.status = [True] * num_workers
@@ -136,6 +137,7 @@ class Dispatch:
         self.unsent = {}
         self.wanting = {}
         self.asked = set()
+        self.denied = {}
         self.status = [True] * self.num_workers
         self.num_tasks = [0] * self.num_workers
         self._next_worker = 0
@@ -337,11 +339,13 @@ class Dispatch:
         self.sup.send(info.worker_id, P.Grant(info.seq, self.epoch, ref))
 
     def _deny(self, info: TaskInfo[Answer], exc: ArenaCapacityError) -> None:
+        """The batch can never fit: DENY it. The worker answers DROPPED once it has published
+        the RNG state after that batch, and the task then fails with ``exc`` (:meth:`answer`)."""
         self.wanting.pop(info.seq, None)
         if info.seq in self.asked:
             self.asked.discard(info.seq)
+            self.denied[info.seq] = exc
             self.sup.send(info.worker_id, P.Deny(info.seq, self.epoch))
-            self.answer(info, P.Failed(info.seq, self.epoch, info.worker_id, MainError(exc)))
 
     def _acquire(self, nbytes: int, grow: bool) -> SlotRef | None:
         # Slots kept for workers forked while their batches were held do not count against the
@@ -484,6 +488,8 @@ class Dispatch:
 
     def answer(self, info: TaskInfo[Answer], msg: Answer) -> None:
         """Record a task's answer; its spare slots go back (the worker is done reading them)."""
+        if isinstance(msg, P.Dropped):  # a denied task: it fails with the main process's error
+            msg = P.Failed(msg.seq, msg.epoch, msg.worker_id, MainError(self.denied.pop(msg.seq)))
         if isinstance(msg, P.Ready):
             if msg.ref != info.ref:
                 raise RuntimeError(

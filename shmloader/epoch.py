@@ -53,7 +53,9 @@ from shmloader.startup import start_workers
 from shmloader.state import EpochStart, untouched_rngs
 from shmloader.supervisor import Supervisor, WorkerDeath
 
-_ANSWERS = (P.Ready, P.Failed)  # a tuple: `P.Ready | P.Failed` would build a union per frame
+# A tuple: `P.Ready | P.Failed` would build a union per frame. DROPPED answers only a task the
+# main process denied (the worker acknowledges the DENY, its RNG snapshot published).
+_ANSWERS = (P.Ready, P.Failed, P.Dropped)
 WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still wake it at once)
 
 HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_device) -> host
@@ -157,7 +159,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             skip = plan["yielded"] if plan else 0
             for _ in range(skip):
                 self._next_index()  # type: ignore[no-untyped-call]
-            self._num_yielded = skip
+            self._num_yielded = self._consumed = skip  # consumed: yielded, or raised
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
             for _ in range(d.max_tasks):  # torch primes the prefetch loop with this many attempts
@@ -193,7 +195,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         return {
             "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
             "in_epoch": in_epoch,
-            "yielded": (self._num_yielded if d.in_order else self._at.prefix) if in_epoch else 0,
+            "yielded": (self._consumed if d.in_order else self._at.prefix) if in_epoch else 0,
             "yielded_extra": sorted(self._at.done) if in_epoch and not d.in_order else [],
             "base_seed": int(self._base_seed),
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
@@ -281,7 +283,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 self._progress.orphan_answered(wid, msg.epoch, msg.seq)
             return
         info = d.tasks.get(msg.seq)
-        if info is None or isinstance(msg, P.Dropped):
+        if info is None or (isinstance(msg, P.Dropped) and msg.seq not in d.denied):
             raise RuntimeError(
                 f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
             )
@@ -297,6 +299,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
+        self._consumed += 1  # taken from the table: yielded or raised, never produced again
         try:
             self._progress.consumed(info.worker_id, d.epoch, info.seq)
             if not d.in_order:

@@ -107,8 +107,15 @@ class WorkerProgress:
         if not self.iterable:
             return None
         workers = []
-        for n, st in zip(self.batches, self.states, strict=True):
+        for wid, (n, st) in enumerate(zip(self.batches, self.states, strict=True)):
             entry: dict[str, Any] = {"batches": n}
+            if st is not None and st.startswith(P.UNSAVABLE):
+                raise RuntimeError(
+                    f"cannot save the DataLoader's state: worker {wid}'s dataset replica "
+                    f"state_dict() could not be taken or pickled "
+                    f"({st[len(P.UNSAVABLE):].decode(errors='replace')}); make its state_dict() "
+                    "return picklable values (numbers, strings, tensors, dicts and lists of them)"
+                )
             if st is not None:
                 entry["state"] = pickle.loads(st)
             workers.append(entry)

@@ -186,7 +186,10 @@ class ReplicaState(NamedTuple):
     seq: int
     epoch: int
     worker_id: int
-    state: bytes  # pickle of the replica's ``state_dict()`` after task ``seq``
+    state: bytes  # pickle of the replica's ``state_dict()`` after task ``seq``, or UNSAVABLE + why
+
+
+UNSAVABLE: Final = b"!"  # no pickle starts so (protocol 2+ begins with PROTO, b"\x80")
 
 
 ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny | Revoke

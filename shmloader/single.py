@@ -34,6 +34,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         with untouched_rngs(loader) if resumed else contextlib.nullcontext():
             super().__init__(loader)
         self._ended = False
+        self._consumed = 0  # batches of the epoch drawn: yielded, or raised (never again)
         self.epoch_no = loader._epochs_started
         loader._epochs_started += 1
         if not resumed:
@@ -45,16 +46,23 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         with self.epoch_start.replay(loader):
             self._sampler_iter = iter(self._index_sampler)
             for _ in range(plan["yielded"]):
-                self._next_index()  # type: ignore[no-untyped-call]
+                self._next_index()
         self._num_yielded = plan["yielded"]
         if replica is not None and "state" not in replica:
             self._fast_forward(replica["batches"])
+        self._consumed = plan["yielded"]
 
     def _fast_forward(self, batches: int) -> None:
         saved = rngstate.capture()  # the draws of batches already consumed are not replayed
         try:
             for _ in range(batches):
-                self._dataset_fetcher.fetch(self._next_index())  # type: ignore[no-untyped-call]
+                try:
+                    self._dataset_fetcher.fetch(self._next_index())
+                except StopIteration:
+                    raise
+                # It raised in the saved run too, and the user consumed that error: go on.
+                except Exception:  # noqa: BLE001
+                    continue
         except StopIteration:
             pass
         finally:
@@ -63,6 +71,12 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         self._ended = False
+        self._consumed = 0
+
+    def _next_index(self) -> Any:
+        index = super()._next_index()  # type: ignore[no-untyped-call]
+        self._consumed += 1
+        return index
 
     def _next_data(self) -> Any:
         try:
@@ -77,7 +91,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return {
             "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
             "in_epoch": in_epoch,
-            "yielded": self._num_yielded if in_epoch else 0,
+            "yielded": self._consumed if in_epoch else 0,
             "yielded_extra": [],
             "base_seed": int(self._base_seed) if in_epoch else None,
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
@@ -88,7 +102,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _replicas(self) -> dict[str, Any] | None:
         if self._dataset_kind != ITERABLE_KIND:
             return None
-        entry: dict[str, Any] = {"batches": self._num_yielded}
+        entry: dict[str, Any] = {"batches": self._consumed}
         if is_stateful(self._dataset):
             entry["state"] = self._dataset.state_dict()  # type: ignore[attr-defined]
         return {"workers": [entry], "assign": [], "next_worker": 0}

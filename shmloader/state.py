@@ -32,11 +32,14 @@ after the save point (``in_order=True``); the epoch's sampler draws are replayed
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from shmloader import rngstate
 
 FORMAT = "shmloader.DataLoader"
 VERSION = 2
@@ -174,6 +177,9 @@ def _check_types(sd: dict[str, Any]) -> None:
         raise bad("epoch_start", "a dict with torch_rng bytes")
     if not isinstance(es.get("generators"), dict) or not isinstance(es.get("samplers"), dict):
         raise bad("epoch_start", "a dict with generators and samplers dicts")
+    rngs = es.get("rngs")  # (absent from states saved before it was added)
+    if rngs is not None and (type(rngs) is not bytes or len(rngs) != SNAPSHOT):
+        raise bad("epoch_start", f"a dict whose rngs is a {SNAPSHOT}-byte snapshot")
 
 
 # -- the RNG objects a loader draws from ---------------------------------------------------------
@@ -207,9 +213,19 @@ def is_stateful(obj: Any) -> bool:
 
 
 def stateful_samplers(loader: Any) -> dict[str, Any]:
-    """The loader's samplers that implement ``state_dict`` / ``load_state_dict``."""
-    pairs = (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler))
-    return {path: obj for path, obj in pairs if is_stateful(obj)}
+    """The loader's distinct samplers that implement ``state_dict`` / ``load_state_dict``
+    (also the sampler inside a ``batch_sampler`` without them, such as torch's BatchSampler)."""
+    bs = loader.batch_sampler
+    pairs = [("sampler", loader.sampler), ("batch_sampler", bs)]
+    if not is_stateful(bs):
+        pairs.append(("batch_sampler.sampler", getattr(bs, "sampler", None)))
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for path, obj in pairs:
+        if is_stateful(obj) and id(obj) not in seen:
+            seen.add(id(obj))
+            out[path] = obj
+    return out
 
 
 def generator_states(loader: Any) -> dict[str, bytes]:
@@ -229,19 +245,22 @@ def set_generator_states(loader: Any, states: dict[str, bytes]) -> None:
 
 @dataclass
 class EpochStart:
-    """What an epoch's sampler draws start from: the global torch RNG (after the iterator's base
-    seed draw), the loader's generators, and custom samplers' own ``state_dict()``."""
+    """What an epoch's sampler draws start from: the global torch, ``random`` and NumPy RNGs
+    (after the iterator's base seed draw), the loader's generators, and custom samplers' own
+    ``state_dict()`` (a copy: a sampler may change the dict it returned)."""
 
     torch_rng: bytes
     generators: dict[str, bytes] = field(default_factory=dict)
     samplers: dict[str, Any] = field(default_factory=dict)
+    rngs: bytes | None = None  # rngstate snapshot of all three global RNGs
 
     @classmethod
     def capture(cls, loader: Any) -> EpochStart:
         return cls(
             bytes(torch.get_rng_state().numpy().tobytes()),
             generator_states(loader),
-            {p: s.state_dict() for p, s in stateful_samplers(loader).items()},
+            {p: copy.deepcopy(s.state_dict()) for p, s in stateful_samplers(loader).items()},
+            rngstate.capture(),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -249,11 +268,12 @@ class EpochStart:
             "torch_rng": self.torch_rng,
             "generators": self.generators,
             "samplers": self.samplers,
+            "rngs": self.rngs,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpochStart:
-        return cls(d["torch_rng"], dict(d["generators"]), dict(d["samplers"]))
+        return cls(d["torch_rng"], dict(d["generators"]), dict(d["samplers"]), d.get("rngs"))
 
     def apply(self, loader: Any) -> None:
         """Put the loader's generators and stateful samplers in this state."""
@@ -269,12 +289,19 @@ class EpochStart:
 
     @contextlib.contextmanager
     def replay(self, loader: Any) -> Iterator[None]:
-        """Inside: the loader's generators and samplers and the global torch RNG are where the
-        epoch's draws started; on exit the global torch RNG is what it was before."""
+        """Inside: the loader's generators and samplers and the global RNGs are where the
+        epoch's draws started (a sampler drawing from ``random`` or NumPy replays too); on exit
+        the global RNGs are what they were before."""
         self.apply(loader)
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(torch.frombuffer(bytearray(self.torch_rng), dtype=torch.uint8))
+        saved = rngstate.capture()
+        try:
+            if self.rngs is not None:
+                rngstate.restore(self.rngs)
+            else:
+                torch.set_rng_state(torch.frombuffer(bytearray(self.torch_rng), dtype=torch.uint8))
             yield
+        finally:
+            rngstate.restore(saved)
 
 
 @contextlib.contextmanager

@@ -209,6 +209,9 @@ class _Worker:
             except StopIteration:
                 self.iteration_end = True
                 return
+            # It raised in the saved run too, and the user consumed that error: go on past it.
+            except Exception:  # noqa: BLE001
+                pass
             finally:
                 self.collator.samples = None
 
@@ -359,9 +362,7 @@ class _Worker:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
                 del data
-            if self.stateful:  # the replica's state after this batch, before its answer
-                state = pickle.dumps(self.dataset.state_dict(), pickle.HIGHEST_PROTOCOL)
-                self.send(P.ReplicaState(task.seq, task.epoch, wid, state))
+            self.replica_state(task)
         except StopIteration:
             if self.cfg.dataset_kind != ITERABLE_KIND:
                 self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
@@ -371,7 +372,9 @@ class _Worker:
             return
         # User code failed: forward it to the main process, as torch does.
         except Exception:  # noqa: BLE001
-            self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
+            failed = wrap_current_exception(self.where())
+            self.replica_state(task)  # that batch is consumed when its error is raised
+            self.send(P.Failed(task.seq, task.epoch, wid, failed))
             return
         try:
             overflowed = not packed.fits and not packed.session.planned
@@ -404,13 +407,26 @@ class _Worker:
         finally:
             self.collator.samples = None
 
+    def replica_state(self, task: P.Task) -> None:
+        """A stateful replica's ``state_dict()`` after ``task``, sent before its answer. One that
+        cannot be taken or pickled fails only ``DataLoader.state_dict()``, with the reason."""
+        if not self.stateful:
+            return
+        try:
+            state = pickle.dumps(self.dataset.state_dict(), pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001
+            state = P.UNSAVABLE + f"{type(e).__name__}: {e}".encode()
+        self.send(P.ReplicaState(task.seq, task.epoch, self.cfg.worker_id, state))
+
     def wait_grant(self, epoch: int, seq: int) -> SlotRef | None:
-        """Block until the slot for task ``seq`` is granted. None if a RESUME (the task's epoch
-        was abandoned) or STOP comes first; those and any tasks read meanwhile are queued for
+        """Block until the slot for task ``seq`` is granted. None if a DENY (answered DROPPED,
+        after the RNG snapshot: the main process fails the task), a RESUME (the task's epoch was
+        abandoned) or STOP comes first; those and any tasks read meanwhile are queued for
         :meth:`run`."""
         while (epoch, seq) not in self.grants:
             if (epoch, seq) in self.denied:
                 self.denied.discard((epoch, seq))
+                self.send(P.Dropped(seq, epoch, self.cfg.worker_id))
                 return None
             if any(isinstance(m, P.Stop | P.Resume) for m in self.inbox):
                 return None
