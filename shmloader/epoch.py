@@ -23,10 +23,9 @@ Invariants:
   every slot it holds for release).
 - A dead worker fails the iterator within one wait: pipes and process sentinels are watched
   together. An iterator inherited through ``fork()`` refuses to yield: its slots are the parent's.
-- One thread at a time: ``__next__``, ``iter()`` of a persistent iterator and ``state_dict()``
-  take the iterator's lock, so a checkpoint thread may call ``state_dict()`` while another
-  iterates. Called from inside one of them on the same thread (a signal handler, a ``__del__``),
-  they raise instead of running on half-changed state.
+- One thread at a time (:mod:`shmloader.onethread`): ``__next__``, ``iter()`` of a persistent
+  iterator and ``state_dict()`` take the iterator's lock, so a checkpoint thread may call
+  ``state_dict()`` while another iterates.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from shmloader._torch_compat import _BaseDataLoaderIter, profiler_enabled
 from shmloader.dispatch import Dispatch
 from shmloader.host import ArenaHost
 from shmloader.lease import Leases
+from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress
 from shmloader.reorder import TaskInfo
 from shmloader.sampling import fast_batches
@@ -59,14 +59,6 @@ _ANSWERS = (P.Ready, P.Failed, P.Dropped)
 WAIT_SLICE_S = 5.0  # longest single wait when no timeout is set (deaths still wake it at once)
 
 HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_device) -> host
-
-
-def _reentered(what: str) -> RuntimeError:
-    return RuntimeError(
-        f"{what} was called from inside this DataLoader iterator's own next(), iter() or "
-        "state_dict() on the same thread (from a signal handler or a __del__?), where the "
-        "iterator is half-way through a change. Set a flag there and call it between steps."
-    )
 
 
 def _teardown(pid: int, sup: Supervisor, dispatch: Dispatch, leases: Leases) -> None:
@@ -124,13 +116,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     # -- epochs ---------------------------------------------------------------------------------
 
+    @one_thread("iter()")
     def _reset(self, loader: torch.utils.data.DataLoader[Any], first_iter: bool = False) -> None:
-        if self._lock._is_owned():  # type: ignore[attr-defined]
-            raise _reentered("iter()")
-        with self._lock:
-            self._reset_epoch(loader, first_iter)
-
-    def _reset_epoch(self, loader: torch.utils.data.DataLoader[Any], first_iter: bool) -> None:
         plan, self._plan = self._plan, None
         if plan is None or not plan["in_epoch"]:
             plan = None
@@ -178,14 +165,9 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     # -- resume state ---------------------------------------------------------------------------
 
+    @one_thread("state_dict()")
     def resume_state(self) -> dict[str, Any]:
         """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`)."""
-        if self._lock._is_owned():  # type: ignore[attr-defined]
-            raise _reentered("state_dict()")
-        with self._lock:
-            return self._resume_state()
-
-    def _resume_state(self) -> dict[str, Any]:
         if self.failure is not None:
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
         d = self._dispatch
@@ -219,14 +201,8 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         self._num_yielded += 1
         return data
 
+    @one_thread("next()")
     def _next_data(self) -> Any:
-        lock = self._lock
-        if lock._is_owned():  # type: ignore[attr-defined]
-            raise _reentered("next()")
-        with lock:
-            return self._next_locked()
-
-    def _next_locked(self) -> Any:
         if self.failure is not None:
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
         if self._pid != os.getpid():  # inherited through fork(): workers and slots are not ours
