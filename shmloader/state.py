@@ -135,6 +135,17 @@ def check(loader: Any, sd: Any) -> dict[str, Any]:
             f"corrupted DataLoader state: {len(rep['workers'])} IterableDataset replicas for "
             f"num_workers={loader.num_workers}"
         )
+    # Now, not at the first iter(): by then load_state_dict() has set the global RNGs.
+    es = sd["epoch_start"]
+    for what, saved, have in (
+        ("torch.Generators", es["generators"], generators(loader)),
+        ("stateful samplers", es["samplers"], stateful_samplers(loader)),
+    ):
+        if set(saved) != set(have):
+            raise ValueError(
+                f"DataLoader state mismatch: it was saved with {what} at {sorted(saved)}, but "
+                f"this loader has them at {sorted(have)}"
+            )
     return dict(sd)
 
 

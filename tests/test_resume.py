@@ -182,6 +182,25 @@ def test_a_state_from_another_loader_is_refused_naming_the_mismatch(
 
 
 @pytest.mark.parametrize(
+    ("saved", "loaded", "named"),
+    [
+        ({}, {"generator": 3}, "torch.Generators"),
+        ({"generator": 3}, {}, "torch.Generators"),
+    ],
+)
+def test_a_state_of_other_rngs_is_refused_before_the_global_rngs_change(
+    saved: dict[str, Any], loaded: dict[str, Any], named: str
+) -> None:
+    with _own_rngs():
+        sd = _state({"workers": 0, **saved})
+        loader = make_loader({"workers": 0, **loaded})
+        before = rngstate.capture()
+        with pytest.raises(ValueError, match=f"mismatch.*{named}"):
+            loader.load_state_dict(sd)
+        assert rngstate.capture() == before  # refused at load, not at the first iter()
+
+
+@pytest.mark.parametrize(
     "corrupt",
     [
         lambda sd: "not a dict",
