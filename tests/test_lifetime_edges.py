@@ -264,6 +264,8 @@ def test_another_loaders_workers_keep_the_batches_their_dataset_holds() -> None:
     pool.batches = []  # the main process lets the pool go, and trains on
     first.stats()  # a drain: the pool's slots are kept for the replay worker, not copied into it
     assert first._host.leases.kept == 4
+    kept = first.stats()
+    assert (kept.slots_kept, kept.bytes_kept > 0) == (4, True), "stats() does not show them"
     reused = 0
     for k in range(4, 100):
         x, y = next(it)
@@ -273,6 +275,8 @@ def test_another_loaders_workers_keep_the_batches_their_dataset_holds() -> None:
     rows = [(int(x[0]), int(y)) for xs, ys in replayed for x, y in zip(xs, ys, strict=True)]
     assert reused == 0, "a slot the replay worker may still read was reused"
     assert rows == [(row_value(i), i) for i in range(16)], rows
+    gone = first.stats()  # the replay worker is gone: its kept slots went back
+    assert (gone.slots_kept, gone.bytes_kept) == (0, 0)
 
 
 class Banked(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):

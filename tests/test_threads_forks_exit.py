@@ -1,0 +1,640 @@
+"""Batch lifetime under threads, forks and interpreter exit (review 6): a held batch stays
+readable and right, and nothing hangs, whatever else runs in the process.
+
+- Exit: an ``atexit`` handler registered before shmloader's import, or a module global's
+  ``__del__``, reads a held batch during interpreter shutdown: the slabs are still mapped (they
+  segfaulted when weakref's exit hook unmapped them first).
+- ``os.fork()`` from another thread while batches are held: the parent's main thread drops the
+  batch and iterates on while the child copies it; the child still sees the batch's own bytes
+  (the held slots are kept from reuse until the child reports its copy).
+- A forked child lets go of its parent's arenas: it maps no slab of them but the private copy of
+  the batch it holds, and holds no slab descriptor; neither do another loader's persistent
+  workers started after the batches were dropped.
+- Re-entrance: ``shmloader.release()`` and ``stats()`` called from inside an arena or lease
+  operation of the same thread (a ``__del__`` run by the garbage collector, a signal handler)
+  return at once, the release taking effect at the next drain.
+- ``state_dict()`` from a checkpoint thread while the main thread iterates; the same call from
+  inside the iterator's own ``next()`` raises.
+- The copy fence of a page-locked arena at its cap (the loader waits for the GPU), with a
+  ``stats()`` thread and a thread standing in for the GPU: no error, every batch right,
+  ``batches_held`` never above the slots lent, every slot free at the end.
+- The replay-pool counts ``slots_kept`` / ``bytes_kept`` are tested in test_lifetime_edges.py.
+- ``import shmloader`` imports ``numpy.random`` (a fork during its lazy import in another thread
+  left the import lock held in the workers).
+
+Every loader has ``timeout=``; scenarios that can deadlock the process itself run in a forked
+child (:class:`ForkedChild`), reaped and reported with its stack if it hangs. Each test failed
+with its fix reverted.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+import subprocess
+import sys
+import textwrap
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import shmloader
+from shmloader import afterfork
+from shmloader.fence import CopyFence
+from shmloader.host import ArenaHost
+from tests.forked import ForkedChild
+from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, rows_ok
+from tests.lifetime_datasets import TorchRows
+from tests.shmloader.fakes import FakeRegistrar, Squares
+
+HANG_S = 20.0  # a scenario that has not finished by then is hung: a pass takes a few seconds
+LOADER_TIMEOUT_S = 10
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _wait_readable(fd: int, seconds: float) -> bool:
+    """Whether ``fd`` becomes readable within ``seconds`` (poll: any descriptor number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(seconds * 1000)))
+
+
+def _collecting(body: Callable[[], Any]) -> Callable[[], Any]:
+    """``body`` for a :class:`ForkedChild`, followed by a collection: the child's loaders end
+    their workers before it leaves with ``os._exit``."""
+
+    def run() -> Any:
+        try:
+            return body()
+        finally:
+            gc.collect()
+
+    return run
+
+
+# --------------------------------------------------------------------------------------- exit
+
+_EXIT_SCRIPT = """
+import atexit
+import sys
+
+held = []
+if sys.argv[1] == "atexit":  # registered before torch's and shmloader's own exit hooks
+    atexit.register(lambda: print("sum at exit", int(held[0].sum()), flush=True))
+
+import torch
+import shmloader
+
+
+class Reader:
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __del__(self):
+        print("sum at exit", int(self.batch.sum()), flush=True)
+
+
+loader = shmloader.DataLoader(
+    torch.utils.data.TensorDataset(torch.ones(64, 1000, dtype=torch.int64)),
+    batch_size=16,
+    num_workers=2,
+    timeout=10,
+)
+for (batch,) in loader:
+    held.append(batch)
+if sys.argv[1] == "module-global-del":
+    READER = Reader(held[0])  # a module global: its __del__ runs during shutdown
+print("loop done", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("reader", ["atexit", "module-global-del"])
+def test_a_held_batch_is_readable_during_interpreter_exit(reader: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_EXIT_SCRIPT), reader],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stdout.splitlines() == ["loop done", f"sum at exit {16 * 1000}"], done.stdout
+
+
+# ------------------------------------------------------------------- fork from another thread
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_a_fork_from_another_thread_keeps_the_batch_while_the_main_thread_drops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(400, 256), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    held = [next(it)]
+    assert batch_ok(*held[0], 0, 256)
+    started_r, started_w = os.pipe()
+    go_r, go_w = os.pipe()
+    copies: list[int] = []
+    real_privatize = afterfork.privatize
+
+    def held_up(addr: int, nbytes: int) -> None:
+        """In the child, at the fork: the first copy waits until the parent has iterated on."""
+        if not copies:
+            os.write(started_w, b"s")
+            _wait_readable(go_r, HANG_S)
+        copies.append(nbytes)
+        real_privatize(addr, nbytes)
+
+    monkeypatch.setattr(afterfork, "privatize", held_up)
+
+    def child_body() -> dict[str, Any]:
+        x, y = held[0]
+        return {"ok": batch_ok(x, y, 0, 256), "first": int(x[0, 0]), "copies": len(copies)}
+
+    outcome: list[Any] = []
+
+    def forker() -> None:  # holds no reference to the batch: only `held` does
+        try:
+            outcome.append(ForkedChild(child_body, HANG_S).result())
+        except BaseException as e:  # noqa: BLE001 - the main thread reports it
+            outcome.append(e)
+
+    thread = threading.Thread(target=forker)
+    try:
+        thread.start()
+        assert _wait_readable(started_r, HANG_S), "the child never started copying"
+        held.clear()  # the parent drops batch 0 while the child is about to copy it
+        for k in range(1, 9):  # with batch 0's slot free, a worker would rewrite it at once
+            x, y = next(it)
+            assert batch_ok(x, y, k, 256), k
+            del x, y
+    finally:
+        os.write(go_w, b"g")  # the child copies batch 0 now
+        thread.join(HANG_S + 10)
+        for fd in (started_r, started_w, go_r, go_w):
+            os.close(fd)
+    assert not thread.is_alive(), "the forking thread never came back from os.fork()"
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    report = outcome[0]
+    assert report["copies"] >= 1
+    assert report["ok"], f"the child's batch 0 shows {report['first']}, another batch's rows"
+
+
+# ------------------------------------------------------- a forked child lets go of the arenas
+
+
+def _slab_files(loader: shmloader.DataLoader[Any]) -> set[tuple[int, int]]:
+    """(device, inode) of every slab of ``loader``'s arena."""
+    out = set()
+    for slab in loader._host.arena.slabs():
+        st = os.fstat(slab.segment._fd)
+        out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def _files_of(pid: int | str) -> dict[str, list[tuple[int, int]]]:
+    """(device, inode) of every file process ``pid`` maps and every file it holds open."""
+    mapped = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            major, minor = (int(part, 16) for part in fields[3].split(":"))
+            if int(fields[4]):
+                mapped.add((os.makedev(major, minor), int(fields[4])))
+    opened = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        opened.add((st.st_dev, st.st_ino))
+    return {"mapped": sorted(mapped), "open": sorted(opened)}
+
+
+def _of(files: dict[str, list[tuple[int, int]]], slabs: set[tuple[int, int]]) -> dict[str, Any]:
+    return {kind: sorted(set(map(tuple, found)) & slabs) for kind, found in files.items()}
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_forked_processes_give_up_the_parents_arena_but_the_batches_they_hold() -> None:
+    a = shmloader.DataLoader(
+        TorchRows(400, 4096), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(a)
+    held = [next(it) for _ in range(8)]  # the arena grows past one slab
+    del held[1:]
+    gc.collect()
+    a.stats()  # a drain: batches 1 to 7 are gone, their slots free
+    slabs = _slab_files(a)
+    assert len(slabs) >= 2, "the arena did not grow"
+
+    def child_body() -> dict[str, Any]:
+        x, y = held[0]
+        return {"ok": batch_ok(x, y, 0, 4096), "files": _files_of("self")}
+
+    report = ForkedChild(child_body, HANG_S).result()
+    assert report["ok"], "the child's copy of batch 0 is wrong"
+    assert _of(report["files"], slabs) == {"mapped": [], "open": []}, "the child kept A's slabs"
+    assert batch_ok(*held[0], 0, 4096)
+
+    held.clear()
+    del it
+    gc.collect()
+    a.stats()  # every batch of A is gone: its arena is idle (and stays reserved)
+    b = shmloader.DataLoader(
+        TorchRows(64, 8),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        timeout=LOADER_TIMEOUT_S,
+    )
+    assert [k for k, (x, y) in enumerate(b) if not batch_ok(x, y, k, 8)] == []
+    pids = b.stats().worker_pids
+    assert len(pids) == 2
+    in_workers = {pid: _of(_files_of(pid), slabs) for pid in pids}
+    assert in_workers == {pid: {"mapped": [], "open": []} for pid in pids}, (
+        "B's persistent workers keep A's slabs"
+    )
+
+
+# ------------------------------------------------------------------------------ re-entrance
+
+
+def _release_and_stats_from_inside(where: str) -> dict[str, Any]:
+    loader = shmloader.DataLoader(
+        TorchRows(64, 64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    batch = next(it)
+    ok = batch_ok(*batch, 0, 64)
+    host = loader._host
+    before = loader.stats()
+    if where == "holding-the-arena-lock":
+        with host.arena._lock:  # as a __del__ run by the collector inside an arena call
+            released = shmloader.release(batch, loader)
+            inside = loader.stats()
+    else:
+        with host.leases.lock:  # as a __del__ run by the collector inside a drain
+            host.leases._inside = threading.get_ident()
+            try:
+                released = shmloader.release(batch, loader)
+                inside = loader.stats()
+            finally:
+                host.leases._inside = None
+    after = loader.stats()
+    del batch, it
+    return {
+        "ok": ok,
+        "released": released,
+        "held": [before.batches_held, inside.batches_held, after.batches_held],
+        "lent": [s.arena.slots_by_state["lent"] for s in (before, inside, after)],
+        "free": [s.arena.slots_by_state["free"] - before.arena.slots_by_state["free"]
+                 for s in (inside, after)],
+    }  # fmt: skip
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@pytest.mark.parametrize("where", ["holding-the-arena-lock", "inside-a-drain"])
+@frees_its_loaders_on_failure
+def test_release_and_stats_from_inside_an_arena_or_lease_operation_wait_for_the_next_drain(
+    where: str,
+) -> None:
+    report = ForkedChild(_collecting(lambda: _release_and_stats_from_inside(where)), HANG_S)
+    assert report.result() == {
+        "ok": True,
+        "released": 1,
+        "held": [1, 1, 0],  # queued inside, released at the next drain
+        "lent": [1, 1, 0],
+        "free": [0, 1],
+    }
+
+
+class Holder:
+    """Holds a batch in a reference cycle; its ``__del__``, run by the garbage collector at
+    any allocation, releases the batch early."""
+
+    def __init__(self, batch: Any, loader: shmloader.DataLoader[Any], log: list[Any]) -> None:
+        self.batch, self.loader, self.log, self.me = batch, loader, log, self
+
+    def __del__(self) -> None:
+        try:
+            self.log.append(shmloader.release(self.batch, self.loader))
+        except BaseException:  # noqa: BLE001 - an exception in __del__ is only printed
+            self.log.append(traceback.format_exc())
+
+
+GC_BATCHES = 2000
+GC_THRESHOLDS = range(2, 60)  # gc.set_threshold: collect after at most this many allocations
+
+
+def _releases_from_the_garbage_collector() -> dict[str, Any]:
+    loader = shmloader.DataLoader(
+        TorchRows(4 * GC_BATCHES // 2, 16), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    log: list[Any] = []
+    bad = steps = 0
+    old = gc.get_threshold()
+    try:
+        for _epoch in range(2):
+            for k, (x, y) in enumerate(loader):
+                bad += not batch_ok(x, y, k, 16)
+                steps += 1
+                # the next collection, which frees this Holder, comes after a number of
+                # allocations that varies from batch to batch: somewhere inside next()
+                gc.set_threshold(GC_THRESHOLDS[k % len(GC_THRESHOLDS)])
+                Holder((x, y), loader, log)
+                del x, y
+    finally:
+        gc.set_threshold(*old)
+    gc.collect()
+    st = loader.stats()
+    return {
+        "steps": steps,
+        "bad": bad,
+        "errors": [e for e in log if not isinstance(e, int)][:3],
+        "released": sum(e for e in log if isinstance(e, int)),
+        "held": st.batches_held,
+        "free": st.arena.slots_free == st.arena.slots_total,
+    }
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_batches_released_by_del_methods_the_garbage_collector_runs_do_not_deadlock() -> None:
+    report = ForkedChild(_collecting(_releases_from_the_garbage_collector), HANG_S).result()
+    assert report == {
+        "steps": GC_BATCHES,
+        "bad": 0,
+        "errors": [],
+        "released": GC_BATCHES,
+        "held": 0,
+        "free": True,
+    }
+
+
+# ------------------------------------------------------------------------------- state_dict()
+
+SD_EPOCHS = 24  # every odd epoch is abandoned after 4 batches: the next one has orphans
+
+
+def _checkpoint_thread_while_iterating() -> dict[str, Any]:
+    sys.setswitchinterval(1e-6)  # (this child only) thread switches land anywhere
+    loader = shmloader.DataLoader(
+        TorchRows(200, 64),
+        batch_size=4,
+        num_workers=2,
+        shuffle=True,
+        persistent_workers=True,
+        timeout=LOADER_TIMEOUT_S,
+    )
+    stop = threading.Event()
+    errors: list[str] = []
+    saved = [0]
+
+    def checkpoint() -> None:
+        while not stop.is_set():
+            try:
+                loader.state_dict()
+            except Exception:  # noqa: BLE001 - reported to the test
+                errors.append("checkpoint thread: " + traceback.format_exc())
+                return
+            saved[0] += 1
+
+    thread = threading.Thread(target=checkpoint)
+    thread.start()
+    steps = bad = 0
+    try:
+        for epoch in range(SD_EPOCHS):
+            for k, (x, y) in enumerate(loader):
+                bad += not rows_ok(x, y.tolist(), 64)
+                steps += 1
+                del x, y
+                if epoch % 2 and k == 3:
+                    break
+    except Exception:  # noqa: BLE001 - reported to the test
+        errors.append("main thread: " + traceback.format_exc())
+    finally:
+        stop.set()
+        thread.join(HANG_S)
+    return {
+        "steps": steps,
+        "bad": bad,
+        "errors": errors[:2],
+        "hung": thread.is_alive(),
+        "saved": saved[0] > 0,
+    }
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_state_dict_from_a_checkpoint_thread_while_the_main_thread_iterates() -> None:
+    report = ForkedChild(_collecting(_checkpoint_thread_while_iterating), HANG_S).result()
+    assert report == {
+        "steps": SD_EPOCHS // 2 * (50 + 4),
+        "bad": 0,
+        "errors": [],
+        "hung": False,
+        "saved": True,
+    }
+
+
+@frees_its_loaders_on_failure
+def test_state_dict_from_inside_next_on_the_same_thread_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(64, 64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    offer = it._dispatch.offer
+    raised: list[BaseException | None] = []
+
+    def offer_and_save() -> None:  # as a signal handler or a __del__ landing inside next()
+        if not raised:
+            try:
+                loader.state_dict()
+            except Exception as e:  # noqa: BLE001 - the test checks it
+                raised.append(e)
+            else:
+                raised.append(None)
+        offer()
+
+    monkeypatch.setattr(it._dispatch, "offer", offer_and_save)
+    x, y = next(it)
+    assert raised, "next() did not offer slots: the test no longer reaches state_dict()"
+    assert isinstance(raised[0], RuntimeError), raised[0]
+    assert "between steps" in str(raised[0]), raised[0]
+    assert batch_ok(x, y, 0, 64)
+    monkeypatch.undo()
+    assert loader.state_dict()["yielded"] == 1  # between steps it works
+
+
+# ------------------------------------------------------------------- copy fence and threads
+
+
+def _fenced_loader(
+    monkeypatch: pytest.MonkeyPatch, events: GpuEvents, **kwargs: Any
+) -> shmloader.DataLoader[Any]:
+    """As in tests/shmloader/test_fence.py: a loader whose arena behaves as page-locked (fake
+    registrar, batches passed through, copies are fake events)."""
+    monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
+    loader = shmloader.DataLoader(
+        Squares(64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S, **kwargs
+    )
+    host = ArenaHost(
+        backend="auto",
+        max_bytes=kwargs.get("arena_max_bytes"),
+        slots_per_slab=loader.arena_options.slots_per_slab or loader._default_slots_per_slab(),
+        pin=True,
+        pin_device="cuda",
+    )
+    host.pinner._registrar = FakeRegistrar()
+    host.leases.fence = CopyFence(events)
+    loader._host = host
+    loader._host_for = lambda pin, device: host
+    return loader
+
+
+class GpuEvents:
+    """An event factory for :class:`shmloader.fence.CopyFence` standing in for CUDA across
+    threads: a recorded event completes when the "GPU" (another thread) calls
+    :meth:`complete_all`; ``wait`` blocks until then, or its timeout."""
+
+    def __init__(self) -> None:
+        self.made: list[GpuEvent] = []
+
+    def __call__(self) -> GpuEvent:
+        event = GpuEvent()
+        self.made.append(event)
+        return event
+
+    def complete_all(self) -> None:
+        for event in list(self.made):
+            event.done.set()
+
+
+class GpuEvent:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.done.set()  # a new event has nothing queued before it
+
+    def record(self) -> None:
+        self.done.clear()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self.done.wait(timeout)
+
+
+FENCE_EPOCHS = 12
+
+
+def _fence_with_a_stats_thread(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    sys.setswitchinterval(1e-6)  # (this child only) thread switches land anywhere
+    probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
+    next(iter(probe))
+    slot = probe.stats().arena.slot_sizes[0]
+    del probe
+    events = GpuEvents()
+    # four slots in all: the loader waits for the GPU (settle) while the stats thread drains
+    loader = _fenced_loader(monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4)
+    stop = threading.Event()
+    errors: list[str] = []
+    over: list[tuple[int, int]] = []
+    polls = [0]
+
+    def poll_stats() -> None:
+        while not stop.is_set():
+            try:
+                st = loader.stats()
+            except Exception:  # noqa: BLE001 - reported to the test
+                errors.append("stats thread: " + traceback.format_exc())
+                return
+            if st.arena is not None:
+                polls[0] += 1
+                if st.batches_held > st.arena.slots_by_state["lent"]:
+                    over.append((st.batches_held, st.arena.slots_by_state["lent"]))
+
+    def complete_events() -> None:
+        while not stop.is_set():
+            events.complete_all()
+
+    threads = [threading.Thread(target=poll_stats), threading.Thread(target=complete_events)]
+    for thread in threads:
+        thread.start()
+    steps = bad = 0
+    try:
+        for _epoch in range(FENCE_EPOCHS):
+            for k, (x, y) in enumerate(loader):
+                indices = list(range(4 * k, 4 * k + 4))
+                want = torch.tensor(indices, dtype=x.dtype)[:, None, None].expand_as(x)
+                bad += not (y.tolist() == indices and torch.equal(x, want))
+                steps += 1
+                del x, y
+    except Exception:  # noqa: BLE001 - reported to the test
+        errors.append("main thread: " + traceback.format_exc())
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(HANG_S)
+    gc.collect()
+    loader.stats()  # a drain: the last batches' slots wait behind their events
+    events.complete_all()
+    st = loader.stats()
+    return {
+        "steps": steps,
+        "bad": bad,
+        "errors": errors[:2],
+        "hung": any(thread.is_alive() for thread in threads),
+        "polled": polls[0] > 0,
+        "held_over_lent": over[:5],
+        "free": st.arena.slots_free == st.arena.slots_total,
+        "held": st.batches_held,
+    }
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_the_copy_fence_with_a_stats_thread_and_completing_events_loses_no_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    body = _collecting(lambda: _fence_with_a_stats_thread(monkeypatch))
+    assert ForkedChild(body, HANG_S).result() == {
+        "steps": FENCE_EPOCHS * 16,
+        "bad": 0,
+        "errors": [],
+        "hung": False,
+        "polled": True,
+        "held_over_lent": [],
+        "free": True,
+        "held": 0,
+    }
+
+
+# ------------------------------------------------------------------------------ numpy.random
+
+
+def test_importing_shmloader_imports_numpy_random() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, shmloader; print('numpy.random' in sys.modules)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]
