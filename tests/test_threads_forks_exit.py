@@ -45,12 +45,10 @@ import torch
 
 import shmloader
 from shmloader import afterfork
-from shmloader.fence import CopyFence
-from shmloader.host import ArenaHost
 from tests.forked import ForkedChild
 from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, rows_ok
 from tests.lifetime_datasets import TorchRows
-from tests.shmloader.fakes import FakeRegistrar, Squares
+from tests.shmloader.fakes import Squares, fenced_loader
 
 HANG_S = 20.0  # a scenario that has not finished by then is hung: a pass takes a few seconds
 LOADER_TIMEOUT_S = 10
@@ -484,29 +482,6 @@ def test_state_dict_from_inside_next_on_the_same_thread_raises(
 # ------------------------------------------------------------------- copy fence and threads
 
 
-def _fenced_loader(
-    monkeypatch: pytest.MonkeyPatch, events: GpuEvents, **kwargs: Any
-) -> shmloader.DataLoader[Any]:
-    """As in tests/shmloader/test_fence.py: a loader whose arena behaves as page-locked (fake
-    registrar, batches passed through, copies are fake events)."""
-    monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
-    loader = shmloader.DataLoader(
-        Squares(64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S, **kwargs
-    )
-    host = ArenaHost(
-        backend="auto",
-        max_bytes=kwargs.get("arena_max_bytes"),
-        slots_per_slab=loader.arena_options.slots_per_slab or loader._default_slots_per_slab(),
-        pin=True,
-        pin_device="cuda",
-    )
-    host.pinner._registrar = FakeRegistrar()
-    host.leases.fence = CopyFence(events)
-    loader._host = host
-    loader._host_for = lambda pin, device: host
-    return loader
-
-
 class GpuEvents:
     """An event factory for :class:`shmloader.fence.CopyFence` standing in for CUDA across
     threads: a recorded event completes when the "GPU" (another thread) calls
@@ -551,7 +526,10 @@ def _fence_with_a_stats_thread(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any
     del probe
     events = GpuEvents()
     # four slots in all: the loader waits for the GPU (settle) while the stats thread drains
-    loader = _fenced_loader(monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4)
+    loader, _ = fenced_loader(
+        monkeypatch, events, timeout=LOADER_TIMEOUT_S, arena_max_bytes=4 * slot,
+        arena_slots_per_slab=4,
+    )  # fmt: skip
     stop = threading.Event()
     errors: list[str] = []
     over: list[tuple[int, int]] = []

@@ -11,6 +11,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import shmloader
+from shmloader.fence import CopyFence
+from shmloader.host import ArenaHost
 
 
 class Squares(Dataset):
@@ -160,3 +162,24 @@ class FakeEvent:
             return False
         self.done = True
         return True
+
+
+def fenced_loader(monkeypatch: Any, events: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """A loader (and its host) whose arena behaves as page-locked: slabs go through a fake
+    registrar, batches are passed through as torch would pass views of registered memory, and
+    copies are ``events``' fake events. Its ``timeout`` defaults to 10 s."""
+    monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
+    kwargs.setdefault("timeout", 10)
+    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, **kwargs)
+    host = ArenaHost(
+        backend="auto",
+        max_bytes=kwargs.get("arena_max_bytes"),
+        slots_per_slab=loader.arena_options.slots_per_slab or loader._default_slots_per_slab(),
+        pin=True,
+        pin_device="cuda",
+    )
+    host.pinner._registrar = FakeRegistrar()
+    host.leases.fence = CopyFence(events)
+    loader._host = host
+    loader._host_for = lambda pin, device: host
+    return loader, host

@@ -14,12 +14,11 @@ import torch
 import shmloader
 from arena import SlotState
 from shmloader.fence import CopyFence
-from shmloader.host import ArenaHost
 from shmloader.lease import Leases
 from shmloader.prefetch import DevicePrefetcher
 from tests.lifetime_checks import frees_its_loaders_on_failure
 
-from .fakes import FakeEvents, FakeRegistrar, Squares
+from .fakes import FakeEvents, Squares, fenced_loader
 from .test_pack_and_lease import _roundtrip
 
 
@@ -97,33 +96,13 @@ def test_slots_of_slabs_never_page_locked_skip_the_fence(arena):
     assert arena.state(ref) is SlotState.FREE
 
 
-def _fenced_loader(monkeypatch, events, **kwargs):
-    """A loader whose arena behaves as page-locked: slabs go through a fake registrar, batches
-    are passed through as torch would pass views of registered memory, copies are fake events."""
-    monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
-    kwargs.setdefault("timeout", 10)
-    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, **kwargs)
-    host = ArenaHost(
-        backend="auto",
-        max_bytes=kwargs.get("arena_max_bytes"),
-        slots_per_slab=loader.arena_options.slots_per_slab or loader._default_slots_per_slab(),
-        pin=True,
-        pin_device="cuda",
-    )
-    host.pinner._registrar = FakeRegistrar()
-    host.leases.fence = CopyFence(events)
-    loader._host = host
-    loader._host_for = lambda pin, device: host
-    return loader, host
-
-
 def _fenced_loader_of_four_slots(monkeypatch, events, **kwargs):
     """A fenced loader whose cap allows one slab of 4 slots and nothing more."""
     probe = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2)
     next(iter(probe))
     slot = probe.stats().arena.slot_sizes[0]
     del probe
-    loader, _ = _fenced_loader(
+    loader, _ = fenced_loader(
         monkeypatch, events, arena_max_bytes=4 * slot, arena_slots_per_slab=4, **kwargs
     )
     return loader
@@ -132,7 +111,7 @@ def _fenced_loader_of_four_slots(monkeypatch, events, **kwargs):
 @frees_its_loaders_on_failure
 def test_a_loader_reuses_a_page_locked_slot_only_after_its_copies(monkeypatch):
     events = FakeEvents()
-    loader, host = _fenced_loader(monkeypatch, events, arena_slots_per_slab=12)  # room to spare
+    loader, host = fenced_loader(monkeypatch, events, arena_slots_per_slab=12)  # room to spare
     it = iter(loader)
     x, y = next(it)
     assert host.pinner.pinned_bytes > 0
@@ -210,7 +189,7 @@ def test_a_host_unlocks_its_slabs_at_close_only_once_the_gpu_has_passed_their_co
 ):
     monkeypatch.setattr("shmloader.host.CLOSE_SETTLE_S", 0.05)
     events = FakeEvents()
-    loader, host = _fenced_loader(monkeypatch, events, arena_slots_per_slab=12)
+    loader, host = fenced_loader(monkeypatch, events, arena_slots_per_slab=12)
     assert [y.tolist()[0] for _, y in loader] == list(range(0, 64, 4))
     gc.collect()
     loader.stats()  # a drain: every dropped batch's slot is held, no copy has passed yet
@@ -240,7 +219,7 @@ def test_a_prefetchers_host_batches_skip_the_fence_once_its_own_copy_completed(m
     from .test_prefetch import FakeEngine
 
     events = FakeEvents()
-    loader, _ = _fenced_loader(monkeypatch, events)
+    loader, _ = fenced_loader(monkeypatch, events)
     engine = FakeEngine()
     labels = []
     for _, y in DevicePrefetcher(loader, depth=1, engine=engine):
@@ -311,7 +290,7 @@ def test_a_prefetcher_keeps_the_fence_for_batches_whose_leaves_reach_the_user_un
     from .test_prefetch import FakeEngine
 
     events = FakeEvents()
-    loader, _ = _fenced_loader(monkeypatch, events, collate_fn=squares_with_numpy_rows)
+    loader, _ = fenced_loader(monkeypatch, events, collate_fn=squares_with_numpy_rows)
     engine = FakeEngine()
     kept = []
     for k, batch in enumerate(DevicePrefetcher(loader, depth=1, engine=engine)):
