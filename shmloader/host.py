@@ -66,8 +66,12 @@ class ArenaHost:
 
     def snapshot(self) -> LoaderStats:
         leases = self.leases
-        with leases.lock:  # one moment: no batch is lent between the reads
-            held = leases.held  # drains first: deaths since the last batch are counted
+        # One moment: no batch is lent between the reads. Re-entered from inside a lease or
+        # arena operation (a signal handler, a __del__), it reads without the lock: waiting for
+        # it there could wait on a thread that waits for the arena lock this thread holds.
+        lock = contextlib.nullcontext() if leases.busy_here() else leases.lock
+        with lock:
+            held = leases.held  # drains first (unless re-entered): deaths so far are counted
             arena = self.arena.stats()
             kept, kept_bytes = leases.kept, leases.kept_bytes
         return LoaderStats(

@@ -107,19 +107,18 @@ class Leases:
 
     @property
     def kept(self) -> int:
-        """Slots whose batch is gone, kept from reuse while workers forked with them live."""
-        with self.lock:
-            return sum(len(q.held) for q in self._quarantines)
+        """Slots whose batch is gone, kept from reuse while workers forked with them live.
+        (Read from copies, without the lock: also safe where :meth:`busy_here`.)"""
+        return sum(len(q.held) for q in list(self._quarantines))
 
     @property
     def kept_bytes(self) -> int:
         """Bytes of the slots counted in :attr:`kept`."""
-        with self.lock:
-            return sum(
-                (self._slabs.get(ref.slab_id) or self._map(ref.slab_id))[1]
-                for q in self._quarantines
-                for ref in q.held
-            )
+        return sum(
+            (self._slabs.get(ref.slab_id) or self._map(ref.slab_id))[1]
+            for q in list(self._quarantines)
+            for ref in list(q.held)
+        )
 
     def busy_here(self) -> bool:
         """Whether the calling thread is inside a lease or arena operation already: code that

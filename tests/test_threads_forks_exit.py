@@ -319,6 +319,42 @@ def test_release_and_stats_from_inside_an_arena_or_lease_operation_wait_for_the_
     }
 
 
+def _stats_from_inside_while_another_thread_takes_stats() -> dict[str, Any]:
+    """A monitor thread's ``stats()`` holds the lease lock and waits for the arena lock, which
+    this thread holds when a signal handler (or a ``__del__``) here calls ``stats()``."""
+    loader = shmloader.DataLoader(
+        TorchRows(64, 64), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    batch = next(it)
+    arena = loader._host.arena
+    real_stats, waiting = arena.stats, threading.Event()
+
+    def stats_after_telling() -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            waiting.set()  # the monitor holds the lease lock now, and is about to wait
+        return real_stats()
+
+    arena.stats = stats_after_telling  # type: ignore[method-assign]
+    got: list[Any] = []
+    with arena._lock:  # this thread is inside an arena call
+        monitor = threading.Thread(target=lambda: got.append(loader.stats().batches_held))
+        monitor.start()
+        assert waiting.wait(HANG_S / 2), "the monitor thread never reached the arena"
+        inside = loader.stats().batches_held  # the handler's call: must not wait for the monitor
+    monitor.join(HANG_S / 2)
+    ok = batch_ok(*batch, 0, 64)
+    del batch, it
+    return {"ok": ok, "inside": inside, "monitor": got, "alive": monitor.is_alive()}
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_stats_from_inside_an_arena_call_does_not_wait_for_a_stats_thread() -> None:
+    report = ForkedChild(_collecting(_stats_from_inside_while_another_thread_takes_stats), HANG_S)
+    assert report.result() == {"ok": True, "inside": 1, "monitor": [1], "alive": False}
+
+
 class Holder:
     """Holds a batch in a reference cycle; its ``__del__``, run by the garbage collector at
     any allocation, releases the batch early."""
