@@ -109,6 +109,10 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         self.failure: str | None = None
         self._reset(loader, first_iter=True)
 
+    def _busy_here(self) -> bool:
+        """Whether this thread holds the lease or arena lock (taken only after this one's)."""
+        return bool(self._leases.lock._is_owned()) or self._leases.arena.owned_here()  # type: ignore[attr-defined]
+
     @property
     def here(self) -> bool:
         """Whether this iterator belongs to the calling process (not inherited by fork)."""

@@ -213,14 +213,17 @@ class Leases:
 
     def _drain(self) -> int:
         dead, live, n = self.dead, self._live, 0
-        fence, held = self.fence, []
+        fence, held, holding = self.fence, [], set()
         while dead:
             x = dead.popleft()
             if isinstance(x, Lease):
                 if id(x) not in live:
                     continue  # released early already
                 if self._through_fence(x.slot):
-                    held.append(x)
+                    # (Queued twice: released from inside a drain, then its views died.)
+                    if id(x) not in holding:
+                        holding.add(id(x))
+                        held.append(x)
                     continue
                 self._forget(x)
                 n += self._give_back(x.slot)

@@ -48,7 +48,7 @@ from shmloader import afterfork
 from tests.forked import ForkedChild
 from tests.lifetime_checks import batch_ok, frees_its_loaders_on_failure, rows_ok
 from tests.lifetime_datasets import TorchRows
-from tests.shmloader.fakes import Squares, fenced_loader
+from tests.shmloader.fakes import FakeEvents, Squares, fenced_loader
 
 HANG_S = 20.0  # a scenario that has not finished by then is hung: a pass takes a few seconds
 LOADER_TIMEOUT_S = 10
@@ -353,6 +353,51 @@ def _stats_from_inside_while_another_thread_takes_stats() -> dict[str, Any]:
 def test_stats_from_inside_an_arena_call_does_not_wait_for_a_stats_thread() -> None:
     report = ForkedChild(_collecting(_stats_from_inside_while_another_thread_takes_stats), HANG_S)
     assert report.result() == {"ok": True, "inside": 1, "monitor": [1], "alive": False}
+
+
+@frees_its_loaders_on_failure
+def test_a_release_queued_inside_a_drain_goes_through_the_copy_fence_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Queued from inside a drain, then its views die: the lease is queued twice, and the
+    page-locked slot must still be held once and freed once (it raised KeyError, then
+    StaleSlotError: double release)."""
+    events = FakeEvents()
+    loader, host = fenced_loader(monkeypatch, events, arena_slots_per_slab=12)
+    it = iter(loader)
+    batch = next(it)
+    leases = host.leases
+    with leases.lock:  # as a signal handler or __del__ running inside a drain
+        leases._inside = threading.get_ident()
+        try:
+            assert shmloader.release(batch, loader) == 1
+        finally:
+            leases._inside = None
+    del batch
+    gc.collect()
+    assert loader.stats().batches_held == 0  # the drain: both entries of that one lease
+    assert leases.fence is not None and leases.fence.held == 1
+    events.complete_all()
+    st = loader.stats()
+    assert st.arena.slots_by_state["lent"] == 0
+    assert [x.shape for x, _ in it] == [torch.Size([4, 3, 4])] * 15
+    del it
+
+
+def test_state_dict_from_inside_a_stats_call_raises_instead_of_waiting() -> None:
+    """A signal handler running while its thread holds the lease lock (inside ``stats()`` or
+    ``release()``) calls ``state_dict()``: it must not wait for the iterator's lock, which a
+    training thread may hold while it waits for the lease lock."""
+    loader = shmloader.DataLoader(
+        TorchRows(64, 8), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    batch = next(it)
+    with loader._host.leases.lock, pytest.raises(RuntimeError, match="between steps"):
+        loader.state_dict()
+    assert batch_ok(*batch, 0, 8)
+    assert loader.state_dict()["yielded"] == 1  # between steps it works
+    del batch, it
 
 
 class Holder:
