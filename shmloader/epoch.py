@@ -111,7 +111,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     def _busy_here(self) -> bool:
         """Whether this thread holds the lease or arena lock (taken only after this one's)."""
-        return bool(self._leases.lock._is_owned()) or self._leases.arena.owned_here()  # type: ignore[attr-defined]
+        return self._leases.locked_here()
 
     @property
     def here(self) -> bool:

@@ -126,6 +126,20 @@ class Leases:
         or release."""
         return self._inside == threading.get_ident() or self.arena.owned_here()
 
+    def locked_here(self) -> bool:
+        """Whether the calling thread holds the lease or the arena lock (for callers whose own
+        lock is always taken before these, to refuse rather than invert that order)."""
+        return bool(self.lock._is_owned()) or self.arena.owned_here()  # type: ignore[attr-defined]
+
+    def _as_owner(self, work: Callable[..., int], *args: Any) -> int:
+        """``work(*args)`` under the lock, with this thread marked inside (:meth:`busy_here`)."""
+        with self.lock:
+            self._inside = threading.get_ident()
+            try:
+                return work(*args)
+            finally:
+                self._inside = None
+
     def quarantine(self) -> Quarantine | None:
         """Before a fork: keep every slot lent now out of use until :meth:`lift`. None when
         nothing is lent."""
@@ -202,14 +216,7 @@ class Leases:
         """Release the slots of every batch whose views died, and of every slot a finalizer
         queued. Call only at a safe point (never from a callback); re-entered from one (see
         :meth:`busy_here`) it does nothing. Returns how many."""
-        if self.busy_here():
-            return 0
-        with self.lock:
-            self._inside = threading.get_ident()
-            try:
-                return self._drain()
-            finally:
-                self._inside = None
+        return 0 if self.busy_here() else self._as_owner(self._drain)
 
     def _drain(self) -> int:
         dead, live, n = self.dead, self._live, 0
@@ -258,12 +265,7 @@ class Leases:
         if not self.fence:
             return 0
         passed = self.fence.settle(timeout, self.lock)
-        with self.lock:
-            self._inside = threading.get_ident()
-            try:
-                return sum(self._give_back(ref) for ref in passed)
-            finally:
-                self._inside = None
+        return self._as_owner(lambda: sum(self._give_back(ref) for ref in passed))
 
     def _forget(self, lease: Lease) -> None:
         del self._live[id(lease)]
@@ -279,32 +281,25 @@ class Leases:
         slot. Re-entered from a lease or arena operation of this thread (see :meth:`busy_here`),
         the release is queued for the next drain instead."""
         if self.busy_here():
-            return self._queue_release(batch)
-        with self.lock:
-            self._inside = threading.get_ident()
-            try:
-                return self._release_early(batch, copies_done)
-            finally:
-                self._inside = None
+            found = self._leases_of(batch)
+            self.dead.extend(found)  # the next drain releases them, as if they had died
+            return len(found)
+        return self._as_owner(self._release_early, batch, copies_done)
 
-    def _queue_release(self, batch: Any) -> int:
+    def _leases_of(self, batch: Any) -> list[Lease]:
+        """The live leases whose slots ``batch``'s tensors and arrays are views of, once each."""
         found: dict[int, Lease] = {}
         for obj in leaves_in(batch):
             key, ptr = _key_of(obj)
             lease = self._by_key.get(key)
             if lease is not None and id(lease) in self._live and lease.lo <= ptr < lease.hi:
                 found[id(lease)] = lease
-        self.dead.extend(found.values())  # the next drain releases them, as if they had died
-        return len(found)
+        return list(found.values())
 
     def _release_early(self, batch: Any, copies_done: bool) -> int:
         self._drain()
         n = 0
-        for obj in leaves_in(batch):
-            key, ptr = _key_of(obj)
-            lease = self._by_key.get(key)
-            if lease is None or id(lease) not in self._live or not lease.lo <= ptr < lease.hi:
-                continue
+        for lease in self._leases_of(batch):
             self._forget(lease)
             if not copies_done and self.fence is not None and self._through_fence(lease.slot):
                 self.fence.hold([lease.slot])  # released: its copies may still be queued
