@@ -23,6 +23,14 @@ Invariants:
   always prefers the smallest class that fits.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
+- A FREE slot can be *hollowed* (``hollow``): its pages go back to the system (``MADV_REMOVE``)
+  and its bytes leave ``bytes_reserved`` and ``bytes_by_state["free"]`` (it still counts in
+  ``slots_by_state["free"]``, and in ``slots_hollow``). Acquiring it reserves its bytes again,
+  only within the cap. So the cap bounds the memory slots really hold, not the address space of
+  slabs: free slots beside a held one stop counting against it. Slabs the owner marks as not
+  to be hollowed (``can_hollow``: page-locked ones) never are. After ``close()``, every FREE slot
+  is hollowed, and every slot released later: slabs that live on (views, forked children that
+  map them) keep only the memory of the slots still held.
 - Thread safety: every method takes one lock. It is re-entrant, so code that runs inside an
   arena call of its own thread (a signal handler, a ``__del__`` run by the garbage collector)
   can still read :meth:`Arena.stats`; an owner that would change slots from there asks
@@ -39,6 +47,7 @@ import enum
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from arena._layout import page_align
@@ -100,6 +109,10 @@ class Arena:
         self._gens: dict[int, list[int]] = {}
         self._classes: list[int] = []  # sorted slot sizes
         self._free: dict[int, list[tuple[int, int]]] = {}  # slot size -> [(slab_id, slot)]
+        self._hollow: dict[int, list[tuple[int, int]]] = {}  # the same, for hollowed FREE slots
+        self._nhollow = 0
+        # Which slabs may be hollowed (the owner says no for page-locked ones).
+        self.can_hollow: Callable[[int], bool] = lambda slab_id: True
         # Counters indexed by state value (plain lists: this is the per-batch hot path).
         self._slots_by_state = [0] * len(SlotState)
         self._bytes_by_state = [0] * len(SlotState)
@@ -134,9 +147,9 @@ class Arena:
         with self._lock:
             if self._closed:
                 self._check_open()
-            ref = self._take(need)
+            ref = self._take(need, past_cap)
             if ref is None and add_slab and self._grow(need, past_cap):
-                ref = self._take(need)
+                ref = self._take(need, past_cap)
             if ref is not None or timeout <= 0:
                 return ref
             deadline = time.monotonic() + timeout
@@ -147,21 +160,75 @@ class Arena:
                     if left <= 0 or not self._cond.wait(left):
                         return None
                     self._check_open()
-                    ref = self._take(need)
+                    ref = self._take(need, past_cap)
             finally:
                 self._waiters -= 1
             return ref
 
-    def _take(self, need: int) -> SlotRef | None:
+    def _take(self, need: int, past_cap: int = 0) -> SlotRef | None:
         for size in self._classes[bisect.bisect_left(self._classes, need) :]:
             free = self._free[size]
             if free:
                 slab_id, slot = free.pop()
-                gen = self._gens[slab_id][slot] + 1
-                self._gens[slab_id][slot] = gen
-                self._move(slab_id, slot, SlotState.WRITING)
-                return SlotRef(slab_id, slot, gen)
+                return self._hand_out(slab_id, slot)
+        if self._nhollow:
+            return self._take_hollow(need, past_cap)
         return None
+
+    def _take_hollow(self, need: int, past_cap: int) -> SlotRef | None:
+        """A hollowed slot of at least ``need``, its bytes reserved again, if the cap allows."""
+        for size in self._classes[bisect.bisect_left(self._classes, need) :]:
+            hollow = self._hollow.get(size)
+            if not hollow or self._reserved + size > self.max_bytes + past_cap:
+                continue
+            slab_id, slot = hollow[-1]
+            if not self._slabs[slab_id].segment.recommit(slot * size, size):
+                continue
+            hollow.pop()
+            self._nhollow -= 1
+            self._reserved += size
+            self._bytes_by_state[_FREE] += size
+            return self._hand_out(slab_id, slot)
+        return None
+
+    def _hand_out(self, slab_id: int, slot: int) -> SlotRef:
+        gen = self._gens[slab_id][slot] + 1
+        self._gens[slab_id][slot] = gen
+        self._move(slab_id, slot, SlotState.WRITING)
+        return SlotRef(slab_id, slot, gen)
+
+    def hollow(self, past_cap: int | None = None) -> int:
+        """Hollow FREE slots (see the module's invariants): all of them, or with ``past_cap``
+        only until ``bytes_reserved`` is back within the cap plus that allowance (largest slots
+        first). Returns the bytes given back."""
+        with self._lock:
+            return self._hollow_free(past_cap)
+
+    def _hollow_free(self, past_cap: int | None = None) -> int:
+        done = 0
+        for size in reversed(self._classes):
+            free, kept = self._free[size], []
+            while free:
+                if past_cap is not None and self._reserved <= self.max_bytes + past_cap:
+                    break
+                slab_id, slot = entry = free.pop()
+                if self.can_hollow(slab_id) and self._punch(slab_id, slot, size):
+                    done += size
+                else:
+                    kept.append(entry)
+            free.extend(reversed(kept))
+        return done
+
+    def _punch(self, slab_id: int, slot: int, size: int) -> bool:
+        """Hollow one FREE slot (already off its free list); False, and nothing changed, when
+        the kernel cannot."""
+        if not self._slabs[slab_id].segment.punch(slot * size, size):
+            return False
+        self._hollow.setdefault(size, []).append((slab_id, slot))
+        self._nhollow += 1
+        self._reserved -= size
+        self._bytes_by_state[_FREE] -= size
+        return True
 
     def _grow(self, need: int, past_cap: int = 0) -> bool:
         room = self.max_bytes + past_cap - self._reserved
@@ -221,18 +288,30 @@ class Arena:
         size = self._sizes.pop(slab_id)
         nslots = len(self._states.pop(slab_id))
         del self._gens[slab_id]
+        hollow = self._hollow.get(size, [])
+        nhollow = sum(1 for entry in hollow if entry[0] == slab_id)
+        if nhollow:
+            self._hollow[size] = [entry for entry in hollow if entry[0] != slab_id]
+            self._nhollow -= nhollow
         free = [entry for entry in self._free[size] if entry[0] != slab_id]
         if free or any(s == size for s in self._sizes.values()):
             self._free[size] = free
         else:
             del self._free[size]
+            self._hollow.pop(size, None)
             self._classes.remove(size)
+        committed = size * (nslots - nhollow)
         self._slots_by_state[_FREE] -= nslots
-        self._bytes_by_state[_FREE] -= size * nslots
-        self._reserved -= size * nslots
+        self._bytes_by_state[_FREE] -= committed
+        self._reserved -= committed
         return self._slabs.pop(slab_id)
 
     # -- transitions ---------------------------------------------------------------------------
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes reserved now (read without the lock: a hint, like :attr:`free_slots`)."""
+        return self._reserved
 
     @property
     def free_slots(self) -> int:
@@ -280,7 +359,11 @@ class Arena:
                     f"(generation {ref.generation})"
                 )
             self._move(ref.slab_id, ref.slot, SlotState.FREE)
-            self._free[self._sizes[ref.slab_id]].append((ref.slab_id, ref.slot))
+            size = self._sizes[ref.slab_id]
+            hollowed = self._closed and self.can_hollow(ref.slab_id)
+            if hollowed and self._punch(ref.slab_id, ref.slot, size):
+                return True
+            self._free[size].append((ref.slab_id, ref.slot))
             if self._waiters:
                 self._cond.notify_all()
             return True
@@ -356,6 +439,7 @@ class Arena:
                 high_water_bytes=self._high_water,
                 growth_events=self._growth_events,
                 slabs=len(self._slabs),
+                slots_hollow=self._nhollow,
             )
 
     # -- teardown -------------------------------------------------------------------------------
@@ -374,6 +458,7 @@ class Arena:
             return
         with self._cond:
             self._closed = True
+            self._hollow_free()  # slabs that views keep alive keep only the slots in use
             slabs = list(self._slabs.values())
             self._cond.notify_all()
         for slab in slabs:

@@ -138,19 +138,20 @@ _libc.mmap.argtypes = [
     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _map(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
-    """Map ``size`` bytes of ``fd`` shared and pre-faulted, as a ctypes array that unmaps itself
-    when the last object referring to it (every view made from it does) is gone.
+def _map(fd: int, size: int, populate: bool = True) -> ctypes.Array[ctypes.c_char]:
+    """Map ``size`` bytes of ``fd`` shared (pre-faulted with ``populate``), as a ctypes array
+    that unmaps itself when the last object referring to it (every view made from it does) is
+    gone.
 
     Python's ``mmap.mmap`` keeps a duplicate of the descriptor for the mapping's life (until
     Python 3.13's ``trackfd``): one descriptor per slab in every process. The kernel needs none
     once the mapping exists, so this maps through libc instead."""
-    addr = _libc.mmap(
-        None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd, 0
-    )
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
@@ -164,6 +165,7 @@ def _map(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
 
 
 _MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
 _MAP_NORESERVE = 0x4000  # Linux
 
 
@@ -274,9 +276,15 @@ class Segment:
     _mapping: ctypes.Array[ctypes.c_char] | None = None
 
     def __init__(
-        self, fd: int, size: int, backend: Backend, owner_pid: int, owner_fd: int | None = None
+        self,
+        fd: int,
+        size: int,
+        backend: Backend,
+        owner_pid: int,
+        owner_fd: int | None = None,
+        populate: bool = True,
     ) -> None:
-        self._mapping = _map(fd, size)
+        self._mapping = _map(fd, size, populate)
         # The owner's descriptor number: what any process reopens through /proc (an attacher's
         # own descriptor number means nothing in the owner's fd table).
         self.owner_fd = fd if owner_fd is None else owner_fd
@@ -293,6 +301,8 @@ class Segment:
         self.owner_pid = owner_pid
         self.buffer: memoryview = memoryview(self._mapping).cast("B")
         self.address = ctypes.addressof(self._mapping)  # where it is mapped in this process
+        # Alive exactly while the mapping is (its finalizer unmaps it), closed or not.
+        self._mapped = weakref.ref(self._mapping)
 
     @classmethod
     def create(cls, nbytes: int, backend: Backend | str = Backend.AUTO) -> Segment:
@@ -322,8 +332,10 @@ class Segment:
             raise
 
     @classmethod
-    def attach(cls, spec: SegmentSpec) -> Segment:
-        """Map the owner's segment into this process (any start method, any time)."""
+    def attach(cls, spec: SegmentSpec, populate: bool = True) -> Segment:
+        """Map the owner's segment into this process (any start method, any time). Without
+        ``populate`` nothing is faulted in now (:meth:`populate` does it range by range):
+        faulting in a range the owner hollowed would fill it again."""
         if spec.owner_pid == os.getpid():
             fd = os.dup(spec.fd)
         else:
@@ -337,7 +349,7 @@ class Segment:
                     "may have exited, or /proc is not readable in this container",
                 ) from None
         try:
-            return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd)
+            return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd, populate)
         except BaseException:
             os.close(fd)
             raise
@@ -358,6 +370,37 @@ class Segment:
         if self._fd_closer is not None and self._fd_closer.detach() is not None:
             os.close(self._fd)  # the inherited copy: the owner keeps its own
         self._fd = -1
+
+    def punch(self, offset: int, nbytes: int) -> bool:
+        """Give the memory of ``[offset, offset + nbytes)`` (whole pages) back to the system:
+        the bytes read as zeros afterwards, in every process that maps the segment, and take no
+        memory (or /dev/shm space) until written again. Works after :meth:`close` while views
+        still keep the mapping. False when it cannot (the mapping is gone, or the kernel
+        refuses ``MADV_REMOVE``); then nothing changed."""
+        mapping = self._mapped()  # held for the call: the range cannot be unmapped under it
+        if mapping is None:
+            return False
+        return bool(_libc.madvise(self.address + offset, nbytes, mmap.MADV_REMOVE) == 0)
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Fault ``[offset, offset + nbytes)`` in for writing now, as a populated mapping would
+        have been (``MADV_POPULATE_WRITE``; where the kernel lacks it, pages fault on first
+        write instead)."""
+        mapping = self._mapped()
+        if mapping is not None:
+            _libc.madvise(self.address + offset, nbytes, _MADV_POPULATE_WRITE)
+
+    def recommit(self, offset: int, nbytes: int) -> bool:
+        """Reserve the memory of a punched range again (owner only), so that writing it cannot
+        fail for want of room later (a write into a full tmpfs is a SIGBUS). False when there
+        is no room, or this process holds no descriptor of the segment."""
+        if self._fd < 0:
+            return False
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError:
+            return False
+        return True
 
     @property
     def spec(self) -> SegmentSpec:

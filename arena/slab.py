@@ -47,9 +47,16 @@ class Slab:
         return cls(slab_id, slot_size, nslots, Segment.create(slot_size * nslots, backend))
 
     @classmethod
-    def attach(cls, spec: SlabSpec) -> Slab:
-        """Map an existing slab (created by another process, or by this one)."""
-        return cls(spec.slab_id, spec.slot_size, spec.nslots, Segment.attach(spec.segment))
+    def attach(cls, spec: SlabSpec, populate: bool = True) -> Slab:
+        """Map an existing slab (created by another process, or by this one); without
+        ``populate``, fault in each slot before use (:meth:`populate_slot`): the owner may have
+        hollowed some (:meth:`arena.Arena.hollow`)."""
+        segment = Segment.attach(spec.segment, populate)
+        return cls(spec.slab_id, spec.slot_size, spec.nslots, segment)
+
+    def populate_slot(self, slot: int) -> None:
+        """Fault one slot in for writing (a slot handed out is never hollow)."""
+        self.segment.populate(self.slot_offset(slot), self.slot_size)
 
     @property
     def spec(self) -> SlabSpec:

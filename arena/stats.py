@@ -1,8 +1,9 @@
 """The arena's statistics record: a frozen snapshot, cheap to take every training step.
 
 Invariants: ``bytes_reserved == sum(bytes_by_state.values())`` and
-``slots_total == sum(slots_by_state.values())``; ``high_water_bytes`` is the most bytes ever held
-outside the FREE state at once, and never decreases.
+``slots_total == sum(slots_by_state.values())``; ``slots_hollow <= slots_by_state["free"]``;
+``high_water_bytes`` is the most bytes ever held outside the FREE state at once, and never
+decreases.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ArenaStats:
     high_water_bytes: int
     growth_events: int
     slabs: int
+    slots_hollow: int = 0  # FREE slots whose memory went back to the system (not reserved)
 
     @property
     def slots_free(self) -> int:

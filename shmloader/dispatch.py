@@ -19,17 +19,23 @@ Invariants:
   unsent, and free slots go to waiting tasks in sampler order whenever one frees up. So steady
   state costs one TASK and one READY frame per batch, and no round trip.
 - Every NEED_SLOT is answered: GRANT of the task's own slot when the batch fits it, the grant
-  already on its way when the worker had not seen it yet, or a bigger slot (GRANT) or DENY.
+  already on its way when the worker had not seen it yet, or a bigger slot (GRANT) or DENY. A
+  slot too small is freed when the NEED_SLOT arrives (the worker copied the batch out of it).
 - The arena grows only for the batch the consumer needs next (in sampler order, or any batch with
   ``in_order=False``) and only when its worker waits for a slot, after waiting for the GPU's
   copies from slots the copy fence holds (:mod:`shmloader.fence`; up to the loader's ``timeout``,
   else without end and with a warning every ``FENCE_WARN_S``); at the cap, slabs whose slots are
   all free are given back first, then garbage is collected; ``ArenaExhaustedError`` only when
-  nothing else frees room, with exactly what the user holds. At the cap, tasks not yet started
-  (queued behind a task their worker waits a slot for) give their slots back too (REVOKE).
-- Every slot a task holds is named once (``ref`` and ``spares``) and released exactly once: with
-  the batch's lease, when its task fails or is skipped, when its answer belongs to an abandoned
-  epoch (``orphans``), or at teardown.
+  nothing else frees room, with exactly what the user holds. At the cap, free slots in slabs that
+  also hold batches are hollowed (their memory goes back; ``arena.Arena.hollow``), and the batch
+  needed next takes back room from every batch after it: tasks not yet started (queued behind a
+  task their worker waits a slot for) give their slots back (REVOKE); finished later batches are
+  copied out of their slots into the main process's memory (*spilled*, counted in ``stats()``);
+  and it waits for later batches still being written to finish, then spills them too. So the error
+  comes only when what the user holds (and slots kept for forked workers) leaves no room.
+- Every slot a task holds is named once (``ref``) and released exactly once: with the batch's
+  lease, when it is spilled, when its task fails or is skipped, when its answer belongs to an
+  abandoned epoch (``orphans``), when its worker's replica ended before it, or at teardown.
 """
 
 from __future__ import annotations
@@ -45,11 +51,11 @@ from arena import ArenaCapacityError, ArenaExhaustedError, SlotRef
 from arena._layout import page_align
 from shmloader import protocol as P
 from shmloader.host import ArenaHost
-from shmloader.lease import Leases
+from shmloader.lease import Leases, Spilled
 from shmloader.reorder import TaskInfo, TaskTable
 from shmloader.supervisor import Supervisor
 
-Answer = P.Ready | P.Failed | P.Dropped
+Answer = P.Ready | P.Failed | P.Dropped | Spilled
 
 FENCE_WARN_S = 30.0  # a wait for the GPU's copies warns each time this passes without an end
 
@@ -199,13 +205,20 @@ class Dispatch:
 
     def retire(self, wid: int, info: TaskInfo[Answer]) -> None:
         """Worker ``wid`` answered task ``info`` with EXHAUSTED: its replica ended, so torch marks
-        the worker unavailable. With ``in_order=False`` its later tasks are dropped too (they will
-        never be answered, and nothing waits for them)."""
+        the worker unavailable. Its later tasks will never be answered (the worker skips them
+        without touching their slots): with ``in_order=False`` they are dropped; in order they
+        stay to be skipped at their turn, as torch's are, but give their slots back now."""
         self.drop(info.seq)
         self.status[wid] = False
-        if not self.in_order:
-            for later in [i for i in self.tasks if i.worker_id == wid and i.answer is None]:
+        for later in [i for i in self.tasks if i.worker_id == wid and i.answer is None]:
+            if not self.in_order:
                 self.drop(later.seq)
+                continue
+            self.unsent.pop(later.seq, None)
+            self.wanting.pop(later.seq, None)
+            self.asked.discard(later.seq)
+            self.release(later.slots())
+            later.ref = None
 
     def release(self, slots: list[SlotRef]) -> None:
         for ref in slots:
@@ -258,8 +271,8 @@ class Dispatch:
         if cur is not None and msg.nbytes <= self.arena.slot_size(cur):
             self.sup.send(info.worker_id, P.Grant(info.seq, self.epoch, cur))
             return
-        if cur is not None and not msg.keep:
-            self.arena.release(cur)  # nothing of the batch lives there: free it now
+        if cur is not None:
+            self.arena.release(cur)  # the worker copied the batch out and never touches it again
             info.ref = None
         self.wanting[info.seq] = msg.nbytes
         self.asked.add(info.seq)
@@ -331,8 +344,6 @@ class Dispatch:
         return True
 
     def _grant(self, info: TaskInfo[Answer], ref: SlotRef) -> None:
-        if info.ref is not None:
-            info.spares = [*(info.spares or []), info.ref]  # read by the worker until it answers
         info.ref = ref
         del self.wanting[info.seq]
         self.asked.discard(info.seq)
@@ -383,23 +394,30 @@ class Dispatch:
         return min(stuck)
 
     def unblock(self, seq: int, deadline: float | None) -> None:
-        """Find a slot for task ``seq``: wait for the GPU's copies from slots the copy fence
-        holds (until ``deadline``, the loader's timeout, if one is set); grow the arena; at its
-        cap give back idle slabs of other sizes; then collect garbage (views caught in reference
-        cycles); then, for a task whose size is only the largest seen, send it without a slot to
-        be measured; else raise, unless the fence still holds slots when ``deadline`` has
-        passed: then the caller's timeout fires."""
+        """Find a slot for task ``seq``, the batch the consumer needs next: wait for the GPU's
+        copies from slots the copy fence holds (until ``deadline``, the loader's timeout, if one
+        is set); grow the arena; at its cap take back the slots of later tasks not yet started
+        and give back idle slabs of other sizes; then collect garbage (views caught in reference
+        cycles); then spill finished later batches. If it still has none: while later batches
+        are being written, return (the caller waits for them, and spills them here next time);
+        for a task whose size is only the largest seen, send it without a slot to be measured;
+        else raise, unless the fence still holds slots when ``deadline`` has passed: then the
+        caller's timeout fires."""
         info = self.tasks.get(seq)
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
-        for step in ("drain", "grow", "give back", "collect"):
+        for step in ("drain", "grow", "give back", "collect", "spill"):
             if step == "give back":
                 self._revoke_unstarted()
-                for slab_id in self.arena.give_back_idle():
-                    self._forget_slab(slab_id)
+                self._give_back_idle()
+                self.arena.hollow()  # free slots beside held ones stop counting against the cap
             elif step == "collect":
                 gc.collect()
+            elif step == "spill":
+                if self._spill_after(info, nbytes):
+                    return
+                break
             # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
             for free in (leases.drain, lambda: self._settle(deadline)):
                 if free():
@@ -408,6 +426,11 @@ class Dispatch:
                         return
             if step != "drain" and self._grow_for(info, nbytes):
                 return
+        if any(
+            i.ref is not None and i.answer is None and self.status[i.worker_id]
+            for i in self.tasks
+        ):
+            return  # later batches being written: spilled once they are finished
         if seq in self.unsent and seq not in self.asked:
             # Its size was only a guess (the largest batch so far): let its worker measure it
             # and ask for exactly what it needs, which may well fit.
@@ -416,6 +439,34 @@ class Dispatch:
         if leases.fence:
             return  # the deadline passed while the GPU still reads held slots: the caller's fires
         raise self._exhausted(seq, nbytes)
+
+    def _spill_after(self, info: TaskInfo[Answer], nbytes: int) -> bool:
+        """Copy finished batches after ``info`` out of their slots, one at a time, until
+        ``info`` gets a slot of ``nbytes``: those whose slot fits it first (one copy frees the
+        room), the latest first. Whether it got one. (Only with ``in_order=True``: otherwise a
+        finished batch is yielded before anything waits.)"""
+        size = self.arena.slot_size
+        later = [i for i in self.tasks if i.seq > info.seq and type(i.answer) is P.Ready]
+        later.sort(key=lambda i: (size(i.answer.ref) >= nbytes, i.seq), reverse=True)  # type: ignore[union-attr]
+        for victim in later:
+            ready = victim.answer
+            assert type(ready) is P.Ready
+            victim.answer = self.host.leases.spill(ready)
+            victim.ref = None
+            self.arena.release(ready.ref)
+            self._give_back_idle()
+            # The freed room goes to this task only (an offer could hand it to a later one).
+            ref = self._acquire(nbytes, grow=False)
+            if ref is not None:
+                self._give(info, ref)
+                return True
+            if self._grow_for(info, nbytes):
+                return True
+        return False
+
+    def _give_back_idle(self) -> None:
+        for slab_id in self.arena.give_back_idle():
+            self._forget_slab(slab_id)
 
     def _settle(self, deadline: float | None) -> int:
         """Wait for the GPU to pass the copies queued from every slot the copy fence holds, and
@@ -462,17 +513,26 @@ class Dispatch:
                 self.sup.send(wid, P.Detach(slab_id))
 
     def _exhausted(self, seq: int, nbytes: int) -> ArenaExhaustedError:
-        st = self.arena.stats()
+        st, leases = self.arena.stats(), self.host.leases
+        held = leases.live()
+        held_bytes = sum(self.arena.slot_size(lease.slot) for lease in held)
+        free = st.slots_by_state.get("free", 0) - st.slots_hollow  # hollow ones take no room
+        stuck = (
+            f"; its {free} free slots ({st.bytes_by_state.get('free', 0):,} bytes) are too "
+            "small for it and share page-locked slabs with the batches above, so they cannot "
+            "be given back"
+            if free
+            else ""
+        )
         return ArenaExhaustedError(
-            f"every arena slot is in use: the user holds {self.host.leases.held} batches "
-            f"({st.bytes_by_state.get('lent', 0):,} bytes){self._kept()}, "
-            f"{st.slots_by_state.get('ready', 0)} "
-            f"finished batches wait to be yielded and {st.slots_by_state.get('writing', 0)} are "
-            f"being written, and the arena is at its cap of {st.max_bytes:,} bytes "
-            f"({st.slots_total} slots); {st.bytes_reserved:,} bytes are reserved and the next "
-            f"batch needs {nbytes:,}. Drop references to old batches, copy what you keep with "
-            ".clone(), release them early with shmloader.release(batch, loader), or raise "
-            "arena_max_bytes."
+            f"no arena slot is free for the next batch: the user holds {len(held)} batches "
+            f"({held_bytes:,} bytes){self._kept()}, "
+            f"{st.slots_by_state.get('ready', 0)} finished batches wait to be yielded and "
+            f"{st.slots_by_state.get('writing', 0)} are being written, and the arena is at its "
+            f"cap of {st.max_bytes:,} bytes ({st.slots_total} slots){stuck}; "
+            f"{st.bytes_reserved:,} bytes are reserved and the next batch needs {nbytes:,}. "
+            "Drop references to old batches, copy what you keep with .clone(), release them "
+            "early with shmloader.release(batch, loader), or raise arena_max_bytes."
         )
 
     def _kept(self) -> str:
@@ -480,14 +540,14 @@ class Dispatch:
         if not kept:
             return ""
         return (
-            f", with {kept} slots of dropped batches kept until the workers forked while they "
-            "were held exit"
+            f", with {kept} slots ({self.host.leases.kept_bytes:,} bytes) of dropped batches "
+            "kept until the workers forked while they were held exit"
         )
 
     # -- answers --------------------------------------------------------------------------------
 
     def answer(self, info: TaskInfo[Answer], msg: Answer) -> None:
-        """Record a task's answer; its spare slots go back (the worker is done reading them)."""
+        """Record a task's answer."""
         if isinstance(msg, P.Dropped):  # a denied task: it fails with the main process's error
             msg = P.Failed(msg.seq, msg.epoch, msg.worker_id, MainError(self.denied.pop(msg.seq)))
         if isinstance(msg, P.Ready):
@@ -498,9 +558,6 @@ class Dispatch:
                 )
             self.arena.mark_ready(msg.ref)
         info.answer = msg
-        if info.spares:
-            self.release(info.spares)
-            info.spares = None
         self.wanting.pop(info.seq, None)
         self.asked.discard(info.seq)
         if not self.in_order:

@@ -50,6 +50,9 @@ class ArenaHost:
         self.pid = os.getpid()
         self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
         self.pinner = Pinner(pin, pin_device)
+        # Page-locked slabs keep their pages: the GPU's copies may read any of them.
+        registered = self.pinner.registered
+        self.arena.can_hollow = lambda slab_id: not registered(slab_id)
         # Slots of page-locked slabs wait for the GPU's copies from them (shmloader.fence).
         fence = CopyFence(cuda_events(pin_device)) if pin else None
         self.leases = leases = Leases(self.arena, fence, self.pinner.registered)
@@ -74,9 +77,11 @@ class ArenaHost:
             held = leases.held  # drains first (unless re-entered): deaths so far are counted
             arena = self.arena.stats()
             kept, kept_bytes = leases.kept, leases.kept_bytes
+            spilled = leases.spilled()
         return LoaderStats(
             arena, held, self.pinner.pinned_bytes, self.worker_pids,
             slots_kept=kept, bytes_kept=kept_bytes,
+            batches_spilled=len(spilled), bytes_spilled=sum(spilled),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -90,6 +95,10 @@ CLOSE_SETTLE_S = 60.0  # at close, the longest wait for the GPU's copies from th
 def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
     if os.getpid() != pid:
         return  # inherited through fork(): the owner closes its own
+    # Slots of batches that died since the last drain go back first: the arena's close then
+    # hollows every free slot, so a slab a held view (or a forked child) keeps alive keeps only
+    # the memory of the slots still held.
+    leases.drain()
     fence = leases.fence
     try:
         stuck = False

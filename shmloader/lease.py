@@ -30,6 +30,9 @@ Invariants:
 - A slot lent when shmloader workers were forked (they share its pages) goes back only once
   those workers are gone (:class:`Quarantine`); until then it stays LENT, counted in ``kept``,
   not in ``held``, and not against the arena's cap.
+- A finished batch the dispatcher *spills* (:meth:`Leases.spill`: copied out of its READY slot so
+  the batch needed next can have that room) is rebuilt from the copy, with no lease; the copies
+  alive (waiting their turn, or views of them with the user) are in :meth:`Leases.spilled`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -57,6 +60,14 @@ class Lease(weakref.ref):  # type: ignore[type-arg]
     keys: tuple[int, ...]  # early-release keys: leaf storages and the keep-alive's id
     lo: int  # address range of the slot
     hi: int
+
+
+class Spilled(NamedTuple):
+    """A finished batch copied out of its slot: ``ready`` (its READY message: the layout and
+    descriptor) over ``buffer``, the slot's bytes in the main process's own memory."""
+
+    ready: P.Ready
+    buffer: np.ndarray
 
 
 class Quarantine:
@@ -95,6 +106,7 @@ class Leases:
         self._live: dict[int, Lease] = {}  # id -> lease (a weakref hashes as its referent)
         self._by_key: dict[int, Lease] = {}
         self._slabs: dict[int, tuple[memoryview, int, int]] = {}  # id -> (buffer, slot size, base)
+        self._spilled: list[weakref.ref[np.ndarray]] = []  # copies, some perhaps dead
 
     def live(self) -> list[Lease]:
         """The leases of batches lent and not yet returned (as of the last drain)."""
@@ -166,11 +178,32 @@ class Leases:
                 return kept
         return self.arena.release(ref)
 
-    def open(self, msg: P.Ready) -> Any:
+    def open(self, msg: P.Ready | Spilled) -> Any:
         """The batch a READY message names, as views of its slot; the slot becomes LENT. If the
-        batch cannot be rebuilt, its slot is released and the error propagates."""
+        batch cannot be rebuilt, its slot is released and the error propagates. A spilled batch
+        is rebuilt over its copy."""
+        if type(msg) is Spilled:
+            ready = msg.ready
+            return self.rebuilder.build(msg.buffer, P.layout(ready), lambda: P.descriptor(ready))[0]
         with self.lock:
-            return self._open(msg)
+            return self._open(msg)  # type: ignore[arg-type]
+
+    def spill(self, msg: P.Ready) -> Spilled:
+        """Copy the batch in ``msg``'s READY slot into this process's memory (the caller then
+        frees the slot)."""
+        ref = msg.ref
+        with self.lock:
+            buf, size, _ = self._slabs.get(ref.slab_id) or self._map(ref.slab_id)
+            end = P.descriptor(msg).end
+            copy = np.frombuffer(buf, np.uint8, end, ref.slot * size).copy()
+            self._spilled = [r for r in self._spilled if r() is not None]
+            self._spilled.append(weakref.ref(copy))
+        return Spilled(msg, copy)
+
+    def spilled(self) -> list[int]:
+        """The sizes of the spilled copies still alive."""
+        alive = [a for a in (r() for r in list(self._spilled)) if a is not None]
+        return [a.nbytes for a in alive]
 
     def _open(self, msg: P.Ready) -> Any:
         ref = msg.ref
@@ -252,6 +285,11 @@ class Leases:
             if fence:
                 for ref in fence.passed():
                     n += self._give_back(ref)
+        arena = self.arena
+        if n and arena.bytes_reserved > arena.max_bytes:
+            # Past the cap by an allowance for kept slots that have come back since: free slots
+            # go back to the system until the arena is within it again.
+            arena.hollow(past_cap=self.kept_bytes)
         return n
 
     def _through_fence(self, ref: SlotRef) -> bool:

@@ -86,9 +86,8 @@ _READY: Final = struct.Struct("<BQII")
 _REF: Final = struct.Struct("<III")
 # where a READY frame's layout starts: after _READY and the descriptor's (slab, slot, generation)
 LAYOUT_AT: Final = _READY.size + _REF.size
-# kind, seq, epoch, worker_id, nbytes, has_slot, slab_id, slot, generation (the slot it has),
-# keep (whether the worker still reads that slot)
-_NEED: Final = struct.Struct("<BQIIQBIIIB")
+# kind, seq, epoch, worker_id, nbytes, has_slot, slab_id, slot, generation (the slot it has)
+_NEED: Final = struct.Struct("<BQIIQBIII")
 # kind, seq, epoch, slab_id, slot, generation
 _GRANT: Final = struct.Struct("<BQIIII")
 # kind, epoch
@@ -159,8 +158,7 @@ class NeedSlot(NamedTuple):
     epoch: int
     worker_id: int
     nbytes: int
-    ref: SlotRef | None  # the slot the worker has for the task (None: none yet)
-    keep: bool = True  # False: nothing of the batch lives in ``ref``; the worker never touches it
+    ref: SlotRef | None  # the slot it had (None: none); it never touches that slot again
 
 
 class Failed(NamedTuple):
@@ -225,9 +223,7 @@ def encode(msg: ToWorker | ToMain) -> bytes:
     if isinstance(msg, NeedSlot):
         r = msg.ref
         slot = _NO_SLOT if r is None else (1, r.slab_id, r.slot, r.generation)
-        return _NEED.pack(
-            Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes, *slot, msg.keep
-        )
+        return _NEED.pack(Kind.NEED_SLOT, msg.seq, msg.epoch, msg.worker_id, msg.nbytes, *slot)
     if isinstance(msg, Grant):
         r = msg.ref
         return _GRANT.pack(Kind.GRANT, msg.seq, msg.epoch, r.slab_id, r.slot, r.generation)
@@ -271,9 +267,9 @@ def decode(frame: bytes) -> ToWorker | ToMain:
             return Task(seq, epoch, task_ref, indices.tolist())
         return Task(seq, epoch, task_ref, pickle.loads(body))
     if kind == Kind.NEED_SLOT:
-        _, seq, epoch, wid, nbytes, has, slab_id, slot, gen, keep = _NEED.unpack_from(frame)
+        _, seq, epoch, wid, nbytes, has, slab_id, slot, gen = _NEED.unpack_from(frame)
         ref = SlotRef(slab_id, slot, gen) if has else None
-        return NeedSlot(seq, epoch, wid, nbytes, ref, bool(keep))
+        return NeedSlot(seq, epoch, wid, nbytes, ref)
     if kind == Kind.GRANT:
         _, seq, epoch, slab_id, slot, gen = _GRANT.unpack_from(frame)
         return Grant(seq, epoch, SlotRef(slab_id, slot, gen))

@@ -25,13 +25,11 @@ class TaskInfo(Generic[A]):
     seq: int
     worker_id: int
     ref: SlotRef | None  # the slot the batch is (to be) written in
-    spares: list[SlotRef] | None = None  # too-small slots, released once the answer arrives
     answer: A | None = None
 
     def slots(self) -> list[SlotRef]:
         """Every slot the task holds."""
-        out = [] if self.ref is None else [self.ref]
-        return out + self.spares if self.spares else out
+        return [] if self.ref is None else [self.ref]
 
 
 class TaskTable(Generic[A]):

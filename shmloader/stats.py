@@ -45,6 +45,10 @@ class LoaderStats:
     - ``slots_kept``, ``bytes_kept``: lent slots whose batch you dropped, kept from reuse until
       the shmloader workers forked while you held it exit (they may still read it:
       :mod:`shmloader.afterfork`); they do not count against the cap.
+    - ``batches_spilled``, ``bytes_spilled``: finished batches copied out of the arena into the
+      main process's own memory, alive now (waiting their turn, or held by you). At the cap, when
+      the batch needed next finds every slot taken by batches after it, those are copied out
+      rather than fail the loop; outside the arena, they do not count against its cap.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or
@@ -61,6 +65,8 @@ class LoaderStats:
     - ``slot_sizes``: the slot size classes in bytes, ascending.
     - ``high_water_bytes``: the most bytes ever in use at once.
     - ``growth_events``: how many times a slab was added; ``slabs``: how many exist.
+    - ``slots_hollow``: free slots whose memory went back to the system at the cap (counted in
+      ``slots_free``, not in ``bytes_reserved``; :meth:`arena.Arena.hollow`).
     """
 
     arena: ArenaStats
@@ -71,6 +77,8 @@ class LoaderStats:
     world_size: int = 1
     slots_kept: int = 0
     bytes_kept: int = 0
+    batches_spilled: int = 0
+    bytes_spilled: int = 0
 
     @property
     def backend(self) -> str:
@@ -120,6 +128,10 @@ class LoaderStats:
     def slabs(self) -> int:
         return self.arena.slabs
 
+    @property
+    def slots_hollow(self) -> int:
+        return self.arena.slots_hollow
+
     def as_row(self) -> dict[str, int | str]:
         """One flat row (for CSV and JSON lines): every arena field, slots and bytes per state,
         batches held and pinned bytes."""
@@ -134,6 +146,7 @@ class LoaderStats:
             "slabs": a.slabs,
             "slots_total": a.slots_total,
             "slot_sizes": " ".join(str(s) for s in a.slot_sizes),
+            "slots_hollow": a.slots_hollow,
         }
         for state, n in a.slots_by_state.items():
             row[f"slots_{state}"] = n
@@ -145,6 +158,8 @@ class LoaderStats:
         row["world_size"] = self.world_size
         row["slots_kept"] = self.slots_kept
         row["bytes_kept"] = self.bytes_kept
+        row["batches_spilled"] = self.batches_spilled
+        row["bytes_spilled"] = self.bytes_spilled
         return row
 
 

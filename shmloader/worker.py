@@ -21,9 +21,8 @@ Invariants:
 - Seeding is torch's: ``seed = base_seed + worker_id`` for ``random`` and torch, NumPy from
   torch's ``_generate_state``; ``get_worker_info()`` is set before ``worker_init_fn`` runs.
 - A worker writes only into the slot its current task names or a slot granted for that task.
-  After NEED_SLOT it writes nothing more to the old slot. It may still read leaves from it (the
-  main process then keeps that slot as the task's spare until the answer arrives); when nothing
-  of the batch lives there (a planned batch) it says so, and the slot is freed at once.
+  Before NEED_SLOT it copies out whatever of the batch lives in the old slot; after it, it never
+  touches that slot again (the main process frees it at once).
 - Every task sent to a worker is fetched, in order, as torch's workers do (tasks of an abandoned
   epoch too), so dataset-side randomness stays in step with torch; after its IterableDataset
   replica is exhausted the worker skips tasks until RESUME, as torch's do (a skipped task of an
@@ -235,7 +234,8 @@ class _Worker:
         msg = P.decode(frame)
         if isinstance(msg, P.Attach):
             try:
-                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec)
+                # Not pre-faulted whole: that would fill slots the main process hollowed.
+                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec, populate=False)
             except OSError as e:
                 if not _alive(self.cfg.main_pid):
                     return P.Stop()  # the main process is gone: nothing left to load for
@@ -282,7 +282,9 @@ class _Worker:
             failed = self.unattached.get(ref.slab_id)
             if failed is not None:
                 raise failed
-            view = self.views[key] = SlotView.of(self.slabs[ref.slab_id].slot_buffer(ref.slot))
+            slab = self.slabs[ref.slab_id]
+            slab.populate_slot(ref.slot)  # once per slot per worker: no fault per page later
+            view = self.views[key] = SlotView.of(slab.slot_buffer(ref.slot))
         return view
 
     def send(self, msg: P.ToMain) -> None:
@@ -384,8 +386,11 @@ class _Worker:
                 return
             while ref is None or not packed.fits:
                 # No slot yet, or too small: ask, then lay the batch out in the slot granted.
-                keep = ref is not None and packed.reads_slot
-                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed, ref, keep))
+                # Leaves already in the old slot are copied out first, so the main process can
+                # free that slot at once: at the arena's cap it may be the room this batch needs.
+                if packed.reads_slot:
+                    packed.detach()
+                self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed, ref))
                 granted = self.wait_grant(task.epoch, task.seq)
                 if granted is None:
                     return  # denied (can never fit the arena), epoch abandoned, or teardown
@@ -395,8 +400,6 @@ class _Worker:
                     with SlotSession(slot) as session:
                         packed = Packed(session, self.collator(self.collator.samples))
                 elif slot.size >= packed.needed:
-                    if granted == ref:
-                        packed.detach()  # laid out again in its own slot
                     self.ready(task, packed.write_into(granted, slot))
                     return
                 ref = granted

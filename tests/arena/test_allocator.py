@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import closing
@@ -410,3 +411,123 @@ def test_at_the_cap_a_small_request_gets_a_class_of_its_own_when_the_fitting_cla
         arena.release(big)
     finally:
         arena.close()
+
+
+# -- hollow slots ------------------------------------------------------------------------------
+
+
+def allocated(arena: Arena, ref: SlotRef) -> int:
+    """Bytes of memory the slab of ``ref`` really holds (its file's allocated blocks)."""
+    return os.fstat(arena.slab(ref.slab_id).segment._fd).st_blocks * 512
+
+
+def check_books(arena: Arena) -> None:
+    st = arena.stats()
+    assert st.bytes_reserved == sum(st.bytes_by_state.values()), st
+    assert st.slots_total == sum(st.slots_by_state.values()), st
+    assert st.slots_hollow <= st.slots_free, st
+
+
+def test_hollowing_free_slots_gives_their_memory_back_and_takes_them_off_the_books():
+    with closing(Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)) as arena:
+        held = acquire(arena, PAGE)
+        others = [acquire(arena, PAGE) for _ in range(3)]
+        for ref in others:
+            arena.release(ref)
+        assert allocated(arena, held) == 4 * PAGE
+        assert arena.hollow() == 3 * PAGE
+        st = arena.stats()
+        assert st.bytes_reserved == PAGE and st.slots_hollow == 3 and st.slots_free == 3
+        assert allocated(arena, held) == PAGE
+        check_books(arena)
+        # A hollow slot is taken again (its bytes reserved again), within the cap.
+        again = acquire(arena, PAGE)
+        assert arena.stats().bytes_reserved == 2 * PAGE and arena.stats().slots_hollow == 2
+        assert allocated(arena, held) == 2 * PAGE
+        view = np.frombuffer(arena.slot_buffer(again), dtype=np.uint8)
+        view[:] = 7
+        assert int(view.sum()) == 7 * PAGE
+        check_books(arena)
+
+
+def test_hollow_slots_make_room_for_another_size_class_under_the_cap():
+    with closing(Arena(backend="memfd", max_bytes=6 * PAGE, slots_per_slab=4)) as arena:
+        small = [acquire(arena, PAGE) for _ in range(4)]
+        for ref in small[1:]:
+            arena.release(ref)
+        assert arena.acquire(4 * PAGE) is None  # 4 small pages + 4: past the cap of 6
+        arena.hollow()
+        big = acquire(arena, 4 * PAGE)  # 1 held small page + 4 pages: within the cap of 6
+        assert arena.slot_size(big) == 4 * PAGE
+        assert arena.stats().bytes_reserved == 5 * PAGE
+        check_books(arena)
+
+
+def test_a_hollow_slot_is_not_taken_again_past_the_cap():
+    with closing(Arena(backend="memfd", max_bytes=2 * PAGE, slots_per_slab=2)) as arena:
+        a, b = acquire(arena, PAGE), acquire(arena, PAGE)
+        arena.release(b)
+        arena.hollow()
+        big = acquire(arena, PAGE)  # the hollow slot, reserved again: 2 pages, the cap
+        assert (big.slab_id, big.slot) == (b.slab_id, b.slot)
+        arena.release(big)
+        arena.hollow()
+        arena.max_bytes = PAGE  # as if the room went to another class meanwhile
+        assert arena.acquire(PAGE, add_slab=False) is None
+        assert arena.stats().bytes_reserved == PAGE
+        check_books(arena)
+        del a
+
+
+def test_slabs_the_owner_keeps_whole_are_never_hollowed():
+    with closing(Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)) as arena:
+        arena.can_hollow = lambda slab_id: False  # as for page-locked slabs
+        held = acquire(arena, PAGE)
+        arena.release(acquire(arena, PAGE))
+        assert arena.hollow() == 0
+        assert arena.stats().slots_hollow == 0 and allocated(arena, held) == 4 * PAGE
+
+
+def test_hollowing_until_within_the_cap_stops_there():
+    with closing(Arena(backend="memfd", max_bytes=8 * PAGE, slots_per_slab=8)) as arena:
+        refs = [acquire(arena, PAGE) for _ in range(8)]
+        for ref in refs[1:]:
+            arena.release(ref)
+        arena.max_bytes = 5 * PAGE  # over the cap by three pages (an allowance that ended)
+        assert arena.hollow(past_cap=0) == 3 * PAGE
+        assert arena.stats().bytes_reserved == 5 * PAGE
+        check_books(arena)
+
+
+def test_giving_back_a_slab_with_hollow_slots_keeps_the_books():
+    with closing(Arena(backend="memfd", max_bytes=8 * PAGE, slots_per_slab=4)) as arena:
+        refs = [acquire(arena, PAGE) for _ in range(4)]
+        for ref in refs[:2]:
+            arena.release(ref)
+        arena.hollow()
+        for ref in refs[2:]:
+            arena.release(ref)
+        assert len(arena.give_back_idle()) == 1
+        st = arena.stats()
+        assert st.bytes_reserved == 0 and st.slots_total == 0 and st.slots_hollow == 0
+        check_books(arena)
+
+
+def test_a_closed_arena_keeps_only_the_memory_of_slots_still_viewed():
+    arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
+    refs = [acquire(arena, PAGE) for _ in range(4)]
+    views = [np.frombuffer(arena.slot_buffer(ref), dtype=np.uint8) for ref in refs[:2]]
+    for ref in refs[2:]:
+        arena.release(ref)
+    fd = os.dup(arena.slab(refs[0].slab_id).segment._fd)  # to watch the slab's memory
+    try:
+        views[0][:] = 1
+        views[1][:] = 2
+        arena.close()  # the free slots go back now; views keep their slots
+        assert os.fstat(fd).st_blocks * 512 == 2 * PAGE
+        arena.release(refs[1])  # a late release: that slot goes back too
+        assert os.fstat(fd).st_blocks * 512 == PAGE
+        assert int(views[0].sum()) == PAGE  # the slot still viewed is intact
+        check_books(arena)
+    finally:
+        os.close(fd)
