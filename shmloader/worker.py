@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import random
@@ -230,6 +231,7 @@ class _Worker:
         """
         frame = self.frames.next()
         if frame is None:
+            self.inbox.clear()  # the main process closed its end: queued tasks have no reader
             return P.Stop()
         msg = P.decode(frame)
         if isinstance(msg, P.Attach):
@@ -294,10 +296,15 @@ class _Worker:
         self._write(framed(P.encode(msg)))
 
     def _write(self, data: bytes) -> None:
-        """Write ``data`` whole (a write a signal cuts short is finished)."""
-        n = os.write(self.fd, data)
-        while n < len(data):
-            n += os.write(self.fd, memoryview(data)[n:])
+        """Write ``data`` whole (a write a signal cuts short is finished). When the main process
+        has closed its end (it exited, or was killed), there is no one left to answer: exit
+        quietly, as on EOF."""
+        try:
+            n = os.write(self.fd, data)
+            while n < len(data):
+                n += os.write(self.fd, memoryview(data)[n:])
+        except BrokenPipeError:
+            raise SystemExit(0) from None
 
     def ready(self, task: P.Task, desc: Descriptor) -> None:
         if self.rng is not None:  # the RNG state after this task, published before its answer
@@ -452,6 +459,11 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Objects inherited from the main process move to the collector's permanent generation, so
+    # the worker's full collections never write to them: their pages stay shared with the main
+    # process instead of being copied into this worker (review 8: 12 -> 46 MiB private per
+    # worker after one full collection on a dict dataset).
+    gc.freeze()
     threading.Thread(
         target=_exit_when_main_exits, args=(cfg.main_pid,), name="shmloader-watchdog", daemon=True
     ).start()
