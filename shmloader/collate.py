@@ -233,8 +233,16 @@ def _collate_tensor_in_slot(
         return stacking.stack_large(batch, out)
     try:
         return torch.stack(list(batch), 0, out=out)
-    except TypeError:  # a non-tensor among the samples: raise exactly what torch raises
-        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
+    except TypeError:  # a non-tensor among the samples: raise exactly what torch raises, below
+        pass  # (outside this block, so that torch's error does not carry ours as its context)
+    except RuntimeError:
+        # Samples of unequal sizes. torch's workers first size a shared output by the samples'
+        # total numel and resize it to the stacked shape: when that total is short, the resize
+        # fails before stack can, with this message (num_workers=0 gives stack's).
+        if sum(x.numel() for x in batch) < out.numel():
+            raise RuntimeError("Trying to resize storage that is not resizable") from None
+        raise
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # type: ignore[no-any-return]
 
 
 _INT64: Final = np.dtype(np.int64)

@@ -60,6 +60,7 @@ class Packed:
         self.session = session
         self.leaves: list[_Leaf] = []
         self._seen: dict[int, int] = {}
+        self._walked: set[int] = set()  # ids of the containers walked
         signature = self._walk(batch)
         payload = _PAYLOADS.get(signature) if signature is not None else None
         if payload is None:  # the pickler finds the walked leaves placed already (_seen)
@@ -84,11 +85,17 @@ class Packed:
     def _walk(self, obj: Any) -> Any:
         """The batch's structure as a hashable signature, placing its leaves in the order the
         pickler would; None when the structure holds anything but exact tuples, lists and dicts,
-        leaves and immutable atoms (then the batch is pickled)."""
+        leaves and immutable atoms, or one container twice (then the batch is pickled: its
+        memo gives the shared container, which a cached payload would give to batches that
+        merely look alike)."""
         t = type(obj)
         if t is torch.Tensor or t is np.ndarray:
             pid = self._persistent_id(obj)
             return None if pid is None else pid
+        if t is tuple or t is list or t is dict:
+            if id(obj) in self._walked:
+                return None
+            self._walked.add(id(obj))
         if t is tuple or t is list:
             parts = []
             for x in obj:
@@ -227,4 +234,9 @@ def _atom(obj: Any) -> Any:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # One element is "contiguous" whatever its stride (``boxes[:, 0]`` of a one-row matrix,
+        # ``expand(1)``), and ``contiguous()`` keeps that stride, which a byte view refuses.
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)

@@ -62,6 +62,26 @@ def test_ragged_tensor_shapes_raise_torchs_stack_error_naming_the_worker():
     )
 
 
+def test_ragged_shapes_short_of_the_first_sample_raise_torchs_resize_error():
+    # torch's workers size the batch's storage by the samples' total numel first: when a later
+    # sample is smaller than the first, the resize fails before stack can (review 8a).
+    samples = [torch.zeros(4), torch.zeros(3), torch.zeros(3), torch.zeros(3)]
+    got = both(Values(samples), batch_size=2, num_workers=2)
+    assert got["shmloader"] == got["torch"]
+    assert got["torch"][0] == (
+        "RuntimeError: Caught RuntimeError in DataLoader worker process 0. "
+        "| RuntimeError: Trying to resize storage that is not resizable"
+    )
+
+
+def test_a_string_among_tensors_raises_torchs_error_without_ours_chained_to_it():
+    loader = shmloader.DataLoader(Values([torch.zeros(2), "x"]), batch_size=2, num_workers=1)
+    e = raised(next, iter(loader))
+    assert type(e) is AttributeError
+    assert "'str' object has no attribute 'numel'" in str(e)
+    assert "During handling of the above exception" not in str(e), str(e)
+
+
 def test_a_sample_type_default_collate_cannot_batch_raises_torchs_type_error():
     got = both(Values([Opaque(i) for i in range(4)]), batch_size=2, num_workers=2)
     assert got["shmloader"] == got["torch"]

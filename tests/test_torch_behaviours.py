@@ -13,6 +13,7 @@ import os
 import traceback
 from collections import Counter
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -452,3 +453,61 @@ def test_arena_slots_are_all_free_after_three_epochs_of_dropped_batches(persiste
     stats = loader.stats()
     assert stats.slots_total > 0
     assert stats.slots_free == stats.slots_total
+
+
+class OneElementViews(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Leaves of one element with a stride other than 1 (one-row ``boxes[:, 0]``, ``expand(1)``,
+    a NumPy column of a one-row matrix): "contiguous", yet no byte view can be made of them as
+    they are (review 8a: every batch failed in the worker)."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        boxes = torch.arange(4.0).view(1, 4) + i
+        return {
+            "x0": boxes[:, 0],
+            "ids": torch.arange(3).view(1, 3)[:, 2] + i,
+            "one": torch.tensor(float(i)).expand(1),
+            "np": (np.arange(2.0).reshape(1, 2) + i)[:, 0],
+        }
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"batch_size": None}, {"batch_size": 2, "collate_fn": list}],
+    ids=["no-auto-collation", "pass-through-collate"],
+)
+def test_one_element_leaves_with_any_stride_arrive_as_torch_gives_them(kwargs):
+    ours = list(make(OneElementViews(), num_workers=2, **kwargs))
+    theirs = list(torch.utils.data.DataLoader(OneElementViews(), num_workers=0, **kwargs))
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        pairs = zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]
+        for sa, sb in pairs:
+            assert sa.keys() == sb.keys()
+            for key in sa:
+                assert type(sa[key]) is type(sb[key]), key
+                assert np.array_equal(np.asarray(sa[key]), np.asarray(sb[key])), key
+
+
+def _shared_then_distinct(batch: list[int]) -> tuple[list[str], list[str]]:
+    if batch[0] == 0:
+        shared = ["a", "b"]
+        return (shared, shared)  # one list twice
+    return (["a", "b"], ["a", "b"])  # two equal lists
+
+
+@pytest.mark.parametrize("order", ["shared-first", "distinct-first"])
+def test_a_container_shared_within_a_batch_is_shared_only_in_that_batch(order):
+    # Batches that look alike share a cached payload in the worker; one whose containers are
+    # the same object must not lend that identity to the others, nor borrow theirs (review 8a).
+    indices = list(range(6)) if order == "shared-first" else [2, 3, 0, 1, 4, 5]
+    sampler = torch.utils.data.BatchSampler(indices, 2, False)
+
+    def identity(cls):
+        collate = _shared_then_distinct
+        loader = cls(range(6), batch_sampler=sampler, num_workers=1, collate_fn=collate)
+        return [x[0] is x[1] for x in loader]
+
+    assert identity(make) == identity(torch.utils.data.DataLoader)
