@@ -2,21 +2,38 @@
 
 Off unless the environment names a file descriptor: ``SHMLOADER_STATS_FD=N`` (a pipe a profiler
 such as ``python -m tools.memprof`` passes to the job it runs). Then each loader's main process
-writes one line ``{"kind": "arena", "t": <CLOCK_MONOTONIC seconds>, "pid": ..., <stats row>}`` at
-most every ``SHMLOADER_STATS_INTERVAL`` seconds (default 0.1) as batches are yielded, and a line
+writes one line ``{"kind": "arena", "t": <CLOCK_MONOTONIC seconds>, "pid": ..., <stats row>}``
+every ``SHMLOADER_STATS_INTERVAL`` seconds (default 0.1) from its first yielded batch on, whether
+or not batches are still being yielded, and once more at interpreter exit; and a line
 ``{"kind": "workers", "pids": [...]}`` when workers start.
 
+Why a thread: a row written only as batches are yielded (at most once per interval) never shows
+the state after the last yields of a burst, which is where a job that keeps its batches peaks and
+where it then sits (evaluating, checkpointing, exiting). So the first yielded batch in a process
+starts one daemon thread per export that writes ``stats()`` (thread-safe) whenever an interval
+has passed without a row. Yields keep writing on the leading edge, so a row follows a change
+within one interval either way, and the per-batch cost while the interval has not passed stays a
+clock read and a comparison. An ``atexit`` hook writes the state the process ends in, which can
+be less than an interval after the last row.
+
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
-processes (ranks, several loaders) never interleave; when unset, the per-batch cost is one
-attribute test; a write that fails (the reader went away) turns the export off with one warning.
+processes (ranks, several loaders) and threads never interleave; when unset, the per-batch cost is
+one attribute test; a write that fails (the reader went away) turns the export off with one
+warning, and its thread ends. The thread holds the loader's state only weakly (it ends once the
+loader is gone) and never runs in a forked child: a child that yields batches of an inherited
+loader starts its own. Rows of one process may arrive a few microseconds out of ``t`` order.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,15 +41,25 @@ from shmloader.stats import LoaderStats
 
 ENV_FD = "SHMLOADER_STATS_FD"
 ENV_INTERVAL = "SHMLOADER_STATS_INTERVAL"
+MIN_PERIOD_S = 0.01  # the thread's shortest period, whatever the interval (0 writes every yield)
+
+Snapshot = Callable[[], LoaderStats]
+_exporting: weakref.WeakSet[StatsExport] = weakref.WeakSet()  # exports with a thread, for atexit
+_exit_hook = threading.Lock()
+_exit_hooked = False
 
 
 class StatsExport:
-    """Writes a loader's rows to the descriptor the environment names, throttled."""
+    """Writes a loader's rows to the descriptor the environment names, throttled (module
+    docstring: a thread writes them too while no batch is yielded)."""
 
     def __init__(self, fd: int, interval: float) -> None:
         self.fd = fd
         self.interval = interval
         self._next = 0.0
+        self._claim = threading.Lock()  # one row per interval between the yields and the thread
+        self._source: Callable[[], Snapshot | None] | None = None  # the loader's, held weakly
+        self._thread_pid = 0  # the process whose thread writes for this export (0: none yet)
 
     @classmethod
     def from_environment(cls) -> StatsExport | None:
@@ -51,12 +78,58 @@ class StatsExport:
             return None
         return cls(fd, interval)
 
-    def tick(self, snapshot: Callable[[], LoaderStats]) -> None:
-        """Write a row if ``interval`` has passed since the last one."""
-        now = time.monotonic()
-        if now >= self._next:
+    def tick(self, snapshot: Snapshot) -> None:
+        """Write a row if ``interval`` has passed since the last one; the first call in a process
+        starts the thread that writes rows while no batch is yielded."""
+        if time.monotonic() >= self._next:
+            self._due(snapshot)
+            if self._thread_pid != os.getpid():
+                self._start(snapshot)
+
+    def _due(self, snapshot: Snapshot) -> None:
+        """Write a row unless another thread wrote one within the interval. The claim is taken
+        without calling ``snapshot`` under it: ``stats()`` takes the loader's own locks."""
+        with self._claim:
+            now = time.monotonic()
+            if now < self._next:
+                return
             self._next = now + self.interval
-            self.write({"kind": "arena", "t": now, "pid": os.getpid(), **snapshot().as_row()})
+        self._row(snapshot, now)
+
+    def _row(self, snapshot: Snapshot, now: float) -> None:
+        self.write({"kind": "arena", "t": now, "pid": os.getpid(), **snapshot().as_row()})
+
+    def _start(self, snapshot: Snapshot) -> None:
+        global _exit_hooked
+        self._thread_pid = os.getpid()
+        source: Callable[[], Snapshot | None]
+        try:
+            source = weakref.WeakMethod(snapshot)
+        except TypeError:  # a plain function: nothing of the loader's to keep alive
+            source = lambda: snapshot  # noqa: E731
+        self._source = source
+        wake = threading.Event()  # set when this export is gone (with its loader): end at once
+        threading.Thread(
+            target=_repeat, args=(weakref.ref(self, lambda _: wake.set()), source, wake),
+            name="shmloader-stats-export", daemon=True,
+        ).start()  # fmt: skip
+        _exporting.add(self)
+        with _exit_hook:
+            if not _exit_hooked:
+                # Registered after the loader's finalizers (weakref registers them with atexit
+                # when the first is made, before any batch), so it runs before them: the arena
+                # is still open when the final row is read.
+                atexit.register(_final_rows)
+                _exit_hooked = True
+
+    def final(self) -> None:
+        """Write the current state now, throttle or not (at exit), if this process exports it."""
+        source = self._source
+        snapshot = None if source is None else source()
+        if snapshot is None or self._thread_pid != os.getpid() or self._next == float("inf"):
+            return
+        with contextlib.suppress(Exception):  # at exit, a row is not worth a traceback
+            self._row(snapshot, time.monotonic())
 
     def write(self, message: dict[str, Any]) -> None:
         try:
@@ -69,3 +142,38 @@ class StatsExport:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def _repeat(
+    export_ref: weakref.ref[StatsExport],
+    source: Callable[[], Snapshot | None],
+    gone: threading.Event,
+) -> None:
+    """The export thread: write a row whenever an interval passed without one; end when the
+    export is off or its loader or the export is gone. Holds neither between rows."""
+    while True:
+        export = export_ref()
+        if export is None or export._next == float("inf"):
+            return
+        wait = max(export._next - time.monotonic(), MIN_PERIOD_S)
+        del export
+        if gone.wait(wait):  # the rows are samples in time: a period, cut short by the end
+            return
+        export, snapshot = export_ref(), source()
+        if export is None or snapshot is None:
+            return
+        try:
+            export._due(snapshot)
+        except Exception as e:  # noqa: BLE001 - stats() failed: stop this thread, keep the job
+            warnings.warn(
+                f"shmloader stops exporting statistics between batches: {e!r}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+            return
+        del export, snapshot
+
+
+def _final_rows() -> None:
+    for export in list(_exporting):
+        export.final()

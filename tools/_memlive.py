@@ -26,11 +26,12 @@ def _slots(arena: dict[str, Any]) -> str:
 
 
 def frame(t: float, rows: list[ProcSample], shm: ShmUsage, arena: dict[str, Any] | None,
-          label: str) -> list[str]:
-    """The lines of one redraw."""
+          label: str, memfd_bytes: int = 0) -> list[str]:
+    """The lines of one redraw (``memfd_bytes``: shared memory outside /dev/shm)."""
     pss = sum(r.pss for r in rows)
     lines = [f"memprof {label}  t={t:7.2f} s  tree PSS {mib(pss)} MiB in {len(rows)} processes"
-             f"  /dev/shm {mib(shm.used_bytes)} MiB, {shm.entries} entries"]
+             f"  /dev/shm {mib(shm.used_bytes)} MiB, {shm.entries} entries"
+             f"  memfd {mib(memfd_bytes)} MiB"]
     if arena is None:
         lines.append("arena: none (torch loader, not started yet, or a user script)")
     else:
@@ -46,10 +47,11 @@ def frame(t: float, rows: list[ProcSample], shm: ShmUsage, arena: dict[str, Any]
 
 
 def status_line(t: float, rows: list[ProcSample], shm: ShmUsage,
-                arena: dict[str, Any] | None) -> str:
+                arena: dict[str, Any] | None, memfd_bytes: int = 0) -> str:
     """The one-line form used when the stream is not a terminal."""
     line = (f"t={t:.2f}s tree_pss_mib={mib(sum(r.pss for r in rows))} processes={len(rows)} "
-            f"shm_mib={mib(shm.used_bytes)} shm_entries={shm.entries}")
+            f"shm_mib={mib(shm.used_bytes)} shm_entries={shm.entries} "
+            f"memfd_mib={mib(memfd_bytes)}")
     if arena is not None:
         line += " slots " + " ".join(f"{s}={arena.get(f'slots_{s}', 0)}" for s in STATES)
     return line
@@ -67,14 +69,14 @@ class LiveView:
         self._last = float("-inf")
 
     def update(self, t: float, rows: list[ProcSample], shm: ShmUsage,
-               arena: dict[str, Any] | None, force: bool = False) -> None:
+               arena: dict[str, Any] | None, force: bool = False, memfd_bytes: int = 0) -> None:
         if not force and t - self._last < self.period_s:
             return
         self._last = t
         if not self.tty:
-            self.stream.write(status_line(t, rows, shm, arena) + "\n")
+            self.stream.write(status_line(t, rows, shm, arena, memfd_bytes) + "\n")
         else:
-            lines = frame(t, rows, shm, arena, self.label)
+            lines = frame(t, rows, shm, arena, self.label, memfd_bytes)
             up = f"\x1b[{self._drawn}F" if self._drawn else ""
             self.stream.write(up + "\x1b[J" + "\n".join(lines) + "\n")
             self._drawn = len(lines)

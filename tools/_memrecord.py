@@ -2,18 +2,24 @@
 
 ``Recording`` collects three time series while a job runs (``t`` in seconds since the job started):
 - samples: one ``ProcSample`` per live process of the tree per tick;
-- shm: ``/dev/shm`` used bytes and entries per tick;
+- shm: ``/dev/shm`` used bytes and entries per tick, and the bytes of shared memory outside
+  ``/dev/shm`` (memfds, shared anonymous mappings, SysV segments) the tree holds, each object once
+  (``tools._procmem.read_anon_shmem``);
 - arena: the rows the job reported from ``loader.stats()`` (shmloader only).
 
 Invariants:
 - ``peak_total_pss`` is the largest, over ticks, of the PSS summed over the processes alive at
   that tick; it is never smaller than any single process's peak PSS.
-- ``footprint`` at a tick is ``sum(pss - pss_shmem) + shared``, where ``shared`` is the growth of
-  ``/dev/shm`` used bytes since the start when there is any, else ``sum(pss_shmem)``. It counts
-  shared-memory pages that no process has mapped (batches queued between processes) and counts
-  every shared page once even when the processes were read a few milliseconds apart, which the
-  plain PSS sum cannot (see docs/memory.md); it assumes the job's shared memory lives either in
-  ``/dev/shm`` or in memfds, and that nothing else grows ``/dev/shm`` meanwhile.
+- ``footprint`` at a tick is ``sum(pss - pss_shmem) + max(0, shm_growth) + memfd``: the private
+  part of every process, plus every shared-memory byte the job holds counted once, wherever it
+  lives: ``shm_growth`` is the growth of ``/dev/shm`` used bytes since the start (posix shared
+  memory, mapped or not), ``memfd`` the bytes of the objects outside ``/dev/shm`` the tree holds
+  at that tick. Both are counted per object, not per mapping, so shared pages no process has
+  mapped (batches queued between processes) are in, and a page is never counted twice even when
+  the processes were read a few milliseconds apart, which the plain PSS sum cannot promise (see
+  docs/memory.md). It assumes nothing else grows ``/dev/shm`` meanwhile; shared memory the job
+  only maps from elsewhere (a ``/dev/shm`` file that existed before it started, a file on
+  another tmpfs) is left out.
 - A process's role is the one it has when the files are written (workers are named by the job
   after their first sample), so every row of one pid carries the same role.
 - Files are written once, at the end, from the same rows the summary is computed from, so the
@@ -32,7 +38,7 @@ from ._procmem import Member, ProcessTree, ProcSample, ShmUsage
 
 MIB = 1024 * 1024
 SAMPLE_COLUMNS = tuple(f.name for f in fields(ProcSample))
-SHM_COLUMNS = ("t", "used_bytes", "entries")
+SHM_COLUMNS = ("t", "used_bytes", "entries", "memfd_bytes")
 ARENA_COLUMNS = (
     "t", "backend", "bytes_reserved", "bytes_in_use", "high_water_bytes", "max_bytes",
     "growth_events", "slabs", "slot_sizes", "slots_total", "slots_free", "slots_writing",
@@ -51,7 +57,7 @@ class Recording:
     command: list[str]
     label: str = ""
     samples: list[ProcSample] = field(default_factory=list)
-    shm: list[tuple[float, int, int]] = field(default_factory=list)
+    shm: list[tuple[float, int, int, int]] = field(default_factory=list)  # SHM_COLUMNS
     arena: list[dict[str, Any]] = field(default_factory=list)
     job: dict[str, Any] | None = None
     exit_code: int | None = None
@@ -60,11 +66,13 @@ class Recording:
     sampler_cpu_s: float = 0.0  # memprof's own CPU time while sampling
     pending_roles: dict[int, str] = field(default_factory=dict)  # announced, not yet seen
 
-    def add_tick(self, rows: list[ProcSample], shm: ShmUsage) -> None:
+    def add_tick(self, rows: list[ProcSample], shm: ShmUsage, memfd_bytes: int = 0) -> None:
+        """One tick: the processes' rows, ``/dev/shm``, and the bytes of shared memory outside
+        ``/dev/shm`` the tree holds (``tools._procmem.read_anon_shmem``)."""
         self.ticks += 1
         self.samples.extend(rows)
         t = rows[0].t if rows else (self.shm[-1][0] if self.shm else 0.0)
-        self.shm.append((t, shm.used_bytes, shm.entries))
+        self.shm.append((t, shm.used_bytes, shm.entries, memfd_bytes))
 
     def add_report(self, message: dict[str, Any]) -> None:
         """One JSON line from the job (tools._memjob: ``workers``, ``arena``, ``done``)."""
@@ -115,14 +123,14 @@ class Recording:
             p["samples"] += 1
             for name in ("rss", "pss", "uss", "pss_shmem"):
                 p[f"peak_{name}"] = max(p[f"peak_{name}"], getattr(row, name))
-        used = [u for _, u, _ in self.shm]
+        used = [u for _, u, _, _ in self.shm]
         baseline = used[0] if used else 0
-        shm_at = {t: u - baseline for t, u, _ in self.shm}
+        # Shared memory held at each tick, each object once: /dev/shm's growth plus the memfds.
+        shared_at = {t: max(0, u - baseline) + memfd for t, u, _, memfd in self.shm}
 
         def footprint(t: float, rows: list[ProcSample]) -> int:
-            shmem = sum(r.pss_shmem for r in rows)
-            shared = shm_at.get(t, 0)
-            return sum(r.pss for r in rows) - shmem + (shared if shared > 0 else shmem)
+            private = sum(r.pss - r.pss_shmem for r in rows)
+            return private + shared_at.get(t, 0)
 
         fp_t, fp = max(((t, footprint(t, rs)) for t, rs in ticks.items()), key=lambda x: x[1],
                        default=(0.0, 0))
@@ -146,7 +154,8 @@ class Recording:
                 "baseline_used_bytes": baseline,
                 "peak_used_bytes": max(used, default=0),
                 "peak_added_bytes": max(used, default=0) - baseline,
-                "peak_entries": max((e for _, _, e in self.shm), default=0),
+                "peak_entries": max((e for _, _, e, _ in self.shm), default=0),
+                "peak_memfd_bytes": max((m for _, _, _, m in self.shm), default=0),
             },
             "arena": self._arena_summary(),
             "still_running": self.still_running,
@@ -220,7 +229,8 @@ def format_summary(s: dict[str, Any]) -> str:
     shm = s["shm"]
     lines.append(f"   /dev/shm peak: {mib(shm['peak_used_bytes'])} MiB used "
                  f"(+{mib(shm['peak_added_bytes'])} MiB over the start), "
-                 f"{shm['peak_entries']} entries at most")
+                 f"{shm['peak_entries']} entries at most; memfd and other shared memory "
+                 f"outside /dev/shm peak: {mib(shm['peak_memfd_bytes'])} MiB")
     arena = s["arena"]
     if arena:
         lines.append(f"   arena peak: {mib(arena['peak_bytes_reserved'])} MiB reserved "

@@ -1,8 +1,9 @@
 """PNG rendering of memprof's CSV files; optional (matplotlib is imported only here, lazily).
 
 Job: read a run directory's ``samples.csv``, ``shm.csv`` and ``arena.csv`` and draw
-``timeline.png``: per-process PSS and the tree's total PSS, ``/dev/shm`` used bytes, and the
-arena's bytes by slot state; or, for ``--compare``, the total PSS of several runs on one axis.
+``timeline.png``: per-process PSS and the tree's total PSS, ``/dev/shm`` used bytes (and the
+memfd bytes the tree holds), and the arena's bytes by slot state; or, for ``--compare``, the
+total PSS of several runs on one axis.
 
 Invariants: plotting reads only the files memprof wrote, so a plot can be redrawn later with
 ``python -m tools._plot DIR``; without matplotlib every function prints
@@ -72,8 +73,12 @@ def render_timeline(run_dir: Path, title: str = "") -> Path | None:
     ax.legend(fontsize="small", ncol=3, loc="upper left")
     ax.set_title(title or run_dir.name)
     ax = axes[1]
-    ax.plot([float(r["t"]) for r in shm], [int(r["used_bytes"]) / MIB for r in shm])
-    ax.set_ylabel("/dev/shm used (MiB)")
+    shm_t = [float(r["t"]) for r in shm]
+    ax.plot(shm_t, [int(r["used_bytes"]) / MIB for r in shm], label="/dev/shm used")
+    if any(int(r.get("memfd_bytes") or 0) for r in shm):  # older runs lack the column
+        ax.plot(shm_t, [int(r.get("memfd_bytes") or 0) / MIB for r in shm], label="memfd")
+        ax.legend(fontsize="small", loc="upper left")
+    ax.set_ylabel("shared memory (MiB)")
     if arena:
         ax = axes[2]
         ts = [float(r["t"]) for r in arena]

@@ -10,6 +10,13 @@ Definitions (bytes; the kernel reports kB and they are multiplied by 1024):
 - Summing ``pss`` over processes counts every resident page once, so the tree's total PSS is the
   memory the job costs the machine, *except* shared-memory pages no process has mapped (a batch
   queued between two processes): those show only in ``/dev/shm`` (``ShmUsage``).
+- Shared memory outside ``/dev/shm`` (memfds, shared anonymous mappings, SysV segments: files of
+  the kernel's internal shmem mount, which no ``statvfs`` shows) is read per object by
+  ``read_anon_shmem``: the objects any process of the tree has open (``/proc/<pid>/fd``) or
+  mapped (``/proc/<pid>/maps``), each counted once by ``(device, inode)`` however many
+  processes hold it. An object open as a descriptor counts its allocated bytes (``st_blocks``:
+  exact, mapped or not); one that is only mapped counts the largest ``Rss`` a process has of it
+  (``/proc/<pid>/smaps``, read only for such processes).
 
 Invariants of ``ProcessTree``:
 - A process is identified by ``(pid, start time)``, so a recycled pid is never taken for the old
@@ -22,9 +29,10 @@ Invariants of ``ProcessTree``:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 PROC = "/proc"
@@ -228,6 +236,124 @@ def read_rows(members: Iterable[Member], t: float) -> list[ProcSample]:
 def sample_tree(tree: ProcessTree, now: float, t: float) -> list[ProcSample]:
     """Refresh ``tree`` (``now``: the monotonic clock) and read its live members at time ``t``."""
     return read_rows(tree.refresh(now), t)
+
+
+ShmemKey = tuple[int, int]  # (st_dev, st_ino) of a shared-memory object
+MEMFD_PREFIX = "/memfd:"  # how maps and fd links name a memfd ("/memfd:NAME (deleted)")
+
+
+@functools.cache
+def internal_shmem_dev() -> int | None:
+    """The device of the kernel's internal shmem mount, where memfds, shared anonymous mappings
+    and SysV segments live (learnt from a memfd of our own); None where memfds do not exist."""
+    try:
+        fd = os.memfd_create("memprof-probe", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+
+
+def parse_maps_shmem(text: str, dev: int | None) -> set[ShmemKey]:
+    """The ``(dev, inode)`` of every mapping in a ``/proc/<pid>/maps`` or ``smaps`` text that is
+    a memfd or lies on the internal shmem mount ``dev``."""
+    mark = None if dev is None else f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    if MEMFD_PREFIX not in text and (mark is None or mark not in text):
+        return set()  # the common case, decided without splitting a line
+    keys: set[ShmemKey] = set()
+    for line in text.splitlines():
+        key = _shmem_mapping(line, mark)
+        if key is not None:
+            keys.add(key)
+    return keys
+
+
+def _shmem_mapping(line: str, mark: str | None) -> ShmemKey | None:
+    """The key of one maps line (``lo-hi perms offset MM:mm inode path``) if it maps a memfd or
+    the internal shmem mount; None for any other line."""
+    parts = line.split(None, 5)
+    if len(parts) < 6 or parts[4] == "0" or not (parts[3] == mark or
+                                                  parts[5].startswith(MEMFD_PREFIX)):
+        return None
+    major, _, minor = parts[3].partition(":")
+    try:
+        return os.makedev(int(major, 16), int(minor, 16)), int(parts[4])
+    except ValueError:
+        return None
+
+
+def read_mapped_shmem(pid: int, dev: int | None) -> set[ShmemKey]:
+    """The anonymous shared-memory objects ``pid`` maps (``/proc/<pid>/maps``: no page walk)."""
+    try:
+        with open(f"{PROC}/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            return parse_maps_shmem(f.read(), dev)
+    except OSError:
+        return set()
+
+
+def read_open_memfds(pid: int) -> dict[ShmemKey, int]:
+    """The memfds ``pid`` has open as descriptors, with their allocated bytes (``st_blocks``)."""
+    base = f"{PROC}/{pid}/fd"
+    found: dict[ShmemKey, int] = {}
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            if not os.readlink(f"{base}/{fd}").startswith(MEMFD_PREFIX):
+                continue
+            st = os.stat(f"{base}/{fd}")  # follows the link to the memfd itself
+        except OSError:  # closed meanwhile, or not ours to read
+            continue
+        found[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return found
+
+
+def parse_smaps_rss(text: str, keys: Collection[ShmemKey], dev: int | None) -> dict[ShmemKey, int]:
+    """Summed ``Rss`` bytes of the mappings of each object in ``keys``, from a smaps text."""
+    mark = None if dev is None else f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    rss: dict[ShmemKey, int] = {}
+    current: ShmemKey | None = None
+    for line in text.splitlines():
+        if line and line[0] in "0123456789abcdef":  # a mapping's header (fields: upper case)
+            key = _shmem_mapping(line, mark)
+            current = key if key in keys else None
+        elif current is not None and line.startswith("Rss:"):
+            parts = line.split()
+            if len(parts) == 3 and parts[1].isdigit():
+                rss[current] = rss.get(current, 0) + int(parts[1]) * _KB
+            current = None
+    return rss
+
+
+def read_mapped_rss(pid: int, keys: Collection[ShmemKey], dev: int | None) -> dict[ShmemKey, int]:
+    try:
+        with open(f"{PROC}/{pid}/smaps", encoding="utf-8", errors="replace") as f:
+            return parse_smaps_rss(f.read(), keys, dev)
+    except OSError:
+        return {}
+
+
+def read_anon_shmem(pids: Iterable[int]) -> int:
+    """Bytes of shared memory outside ``/dev/shm`` that ``pids`` hold, each object counted once
+    (module docstring). smaps, which walks every page table, is read only from processes that
+    map an object no process of ``pids`` has open."""
+    dev = internal_shmem_dev()
+    allocated: dict[ShmemKey, int] = {}
+    mapped: dict[int, set[ShmemKey]] = {}
+    for pid in pids:
+        allocated.update(read_open_memfds(pid))
+        mapped[pid] = read_mapped_shmem(pid, dev)
+    resident: dict[ShmemKey, int] = {}
+    for pid, keys in mapped.items():
+        only_mapped = keys - allocated.keys()
+        if only_mapped:
+            for key, n in read_mapped_rss(pid, only_mapped, dev).items():
+                resident[key] = max(resident.get(key, 0), n)
+    return sum(allocated.values()) + sum(resident.values())
 
 
 def total(rows: Iterable[ProcSample], field: str) -> int:

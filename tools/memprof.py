@@ -13,7 +13,8 @@ The job always runs in a child process (built-in workloads: ``python -m tools._m
 interpreter, CSV rows and plotting stay out of the measured tree, and the sampler never competes
 with the job's main loop for its GIL. Every
 ``--interval`` seconds it reads ``/proc/<pid>/smaps_rollup`` of each live process of the tree
-(tools._procmem: definitions of RSS, PSS, USS) and ``/dev/shm``; a built-in job also reports
+(tools._procmem: definitions of RSS, PSS, USS), ``/dev/shm`` and the memfds (and other shared
+memory outside ``/dev/shm``) the tree holds, each once; a built-in job also reports
 ``loader.stats()`` over a pipe; a user's command gets a pipe too (``SHMLOADER_STATS_FD``), over
 which its shmloader loaders export their stats (shmloader/export.py).
 
@@ -55,7 +56,7 @@ from typing import IO, Any
 from ._cli import prog
 from ._memlive import LiveView
 from ._memrecord import MIB, Recording, format_summary, mib
-from ._procmem import ProcessTree, ProcSample, read_rows, read_shm
+from ._procmem import ProcessTree, ProcSample, read_anon_shmem, read_rows, read_shm
 
 # The checkout's root, which a built-in job must import tools/ and shmloader/ from (None when
 # installed: the job then imports the same installed packages as this process).
@@ -187,11 +188,12 @@ def profile(cmd: list[str], *, args: argparse.Namespace, label: str, out: Path,
             now = time.monotonic()
             if now >= next_tick:
                 rows = _sample(tree, rec, now, round(now - t0, 4))
-                shm = read_shm()
-                rec.add_tick(rows, shm)
+                shm, memfd = read_shm(), read_anon_shmem(r.pid for r in rows)
+                rec.add_tick(rows, shm, memfd)
                 if view is not None:
                     arena = None if reports is None else reports.latest_arena
-                    view.update(now - t0, rows, shm, arena, force=exited_at is not None)
+                    view.update(now - t0, rows, shm, arena, force=exited_at is not None,
+                                memfd_bytes=memfd)
                 next_tick = max(next_tick + args.interval, now)
                 if exited_at is not None and (not rows or now - exited_at >= args.linger):
                     rec.still_running = [r.pid for r in rows]

@@ -4,9 +4,11 @@ live view, and the optional plot."""
 import csv
 import io
 import json
+import select
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from tools._procmem import ProcessTree, ProcSample, ShmUsage
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_S = 120  # a bound on one CLI run; a quick run takes a few seconds
+SEEN_S = 30  # a bound on memprof's first status lines (one a second on a pipe)
 
 
 def _memprof(*args: str) -> subprocess.CompletedProcess[str]:
@@ -200,6 +203,88 @@ def test_footprint_counts_shared_memory_once_from_dev_shm_when_it_grew():
     assert s["peak_total_pss"] == 170
     assert s["peak_footprint"] == (100 - 60) + (70 - 60) + 80
     assert s["shm"]["peak_added_bytes"] == 80
+
+
+def test_footprint_counts_memfd_bytes_too_when_dev_shm_also_grew():
+    # An arena with one slab in /dev/shm (40) and two in memfds (120): both processes map all of
+    # it (80 each of shmem PSS); the footprint counts 40 + 120 once, besides the private parts.
+    rec = _recording([([_sample(0.0, 10, "main", 10)], 1000)])
+    rows = [_sample(0.1, 10, "main", 100, shmem=80), _sample(0.1, 11, "child", 90, shmem=80)]
+    rec.add_tick(rows, ShmUsage(1040, 0), memfd_bytes=120)
+    s = rec.summary()
+    assert s["peak_footprint"] == (100 - 80) + (90 - 80) + 40 + 120
+    assert s["shm"]["peak_memfd_bytes"] == 120
+
+
+def test_footprint_of_a_job_all_in_memfds_counts_them_once():
+    rec = _recording([([_sample(0.0, 10, "main", 10)], 1000)])
+    rows = [_sample(0.1, 10, "main", 100, shmem=70), _sample(0.1, 11, "child", 90, shmem=70)]
+    rec.add_tick(rows, ShmUsage(1000, 0), memfd_bytes=120)  # read apart: 140 of PSS, 120 held
+    assert rec.summary()["peak_footprint"] == (100 - 70) + (90 - 70) + 120
+
+
+def test_shm_csv_has_the_memfd_bytes_of_each_tick(tmp_path):
+    rec = _recording([([_sample(0.0, 10, "main", 10)], 0)])
+    rec.add_tick([_sample(0.1, 10, "main", 10)], ShmUsage(0, 0), memfd_bytes=4096)
+    rec.write(tmp_path)
+    assert [r["memfd_bytes"] for r in _rows(tmp_path / "shm.csv")] == ["0", "4096"]
+
+
+MEMFD_SCRIPT = textwrap.dedent(
+    """
+    import mmap, os, sys
+    # 24 MiB in /dev/shm and 48 MiB in a memfd, both mapped here and in a forked child
+    path = f"/dev/shm/memprof-test-{os.getpid()}"
+    shm_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    memfd = os.memfd_create("memprof-test")
+    maps = []
+    for fd, mib in ((shm_fd, 24), (memfd, 48)):
+        os.ftruncate(fd, mib << 20)
+        maps.append(mmap.mmap(fd, mib << 20))
+        maps[-1][:] = b"z" * (mib << 20)
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(w)
+        os.read(r, 1)  # until the parent exits
+        os._exit(0)
+    # until memprof has printed a status line (it has sampled the tree): stdin says when
+    sys.stdin.read()
+    """
+)
+
+
+def test_the_footprint_of_a_command_counts_its_memfd_and_dev_shm_bytes_once(tmp_path):
+    # memprof --live on a pipe prints one status line a second; the second one is printed after
+    # a tick that saw the script's shared memory, then the script is let go (stdin closed).
+    script = tmp_path / "shared.py"
+    script.write_text(MEMFD_SCRIPT)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tools.memprof", "--interval", "0.05", "--live", "--no-plot",
+           "--linger", "10", "--out", str(out), "--", sys.executable, str(script)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        deadline = time.monotonic() + SEEN_S
+        line = ""
+        while "memfd_mib=48.0" not in line:
+            ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+            assert ready, f"no status line with the memfd within {SEEN_S} s"
+            line = proc.stdout.readline()
+            assert line, "memprof ended before it saw the memfd"
+        proc.communicate(input="", timeout=RUN_S)  # closes stdin: the script exits
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["shm"]["peak_memfd_bytes"] == 48 << 20
+    assert summary["shm"]["peak_added_bytes"] >= 24 << 20
+    # each shared byte once: not twice (two processes map them), not left out (the memfd)
+    private = summary["peak_footprint"] - (48 << 20) - summary["shm"]["peak_added_bytes"]
+    assert 0 < private < 48 << 20
 
 
 def test_live_frame_shows_slots_by_state_and_each_process():

@@ -1,5 +1,6 @@
 """tools._procmem: the smaps_rollup parser, the process-tree follower and the /dev/shm reader."""
 
+import mmap
 import os
 import select
 import subprocess
@@ -11,9 +12,12 @@ from tools._procmem import (
     SHM_DIR,
     ProcessTree,
     ProcStat,
+    internal_shmem_dev,
     mem_from_rollup,
+    parse_maps_shmem,
     parse_smaps_rollup,
     parse_stat,
+    read_anon_shmem,
     read_mem,
     read_rows,
     read_shm,
@@ -231,3 +235,88 @@ def test_read_shm_counts_a_new_file_in_used_bytes_and_entries():
         os.unlink(path)
     assert after.entries == before.entries + 1
     assert after.used_bytes - before.used_bytes >= 4 << 20
+
+
+MIB = 1 << 20
+MAPS = """\
+55d0c0a00000-55d0c0a21000 r--p 00000000 fe:00 1234                       /usr/bin/python3.11
+7f0000000000-7f0000800000 rw-s 00000000 00:01 500    /memfd:shmloader-slab (deleted)
+7f0000800000-7f0001000000 rw-s 00000000 00:01 500    /memfd:shmloader-slab (deleted)
+7f0001000000-7f0001100000 rw-s 00000000 00:01 501                        /dev/zero (deleted)
+7f0001100000-7f0001200000 rw-s 00000000 00:1b 77                         /dev/shm/#77 (deleted)
+7f0001200000-7f0001300000 rw-p 00000000 00:00 0                          [heap]
+"""
+
+
+def test_maps_shmem_are_the_memfds_and_the_internal_mount_once_each_not_dev_shm_files():
+    one = os.makedev(0, 1)
+    assert parse_maps_shmem(MAPS, one) == {(one, 500), (one, 501)}
+    assert parse_maps_shmem(MAPS.replace("00:01", "00:02"), one) == {(os.makedev(0, 2), 500)}
+    assert parse_maps_shmem(MAPS.splitlines()[0], one) == set()
+
+
+# argv: memfd path to open ("" for a new one, written with argv[2] MiB), ready fd, go fd. Maps
+# the memfd, closes its descriptor (only the mapping holds it then), reports "m", waits for go.
+MAPPER = """
+import mmap, os, sys
+path, mib, ready, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+fd = os.open(path, os.O_RDWR) if path else os.memfd_create("memprof-test")
+if not path:
+    os.ftruncate(fd, 8 << 20)
+m = mmap.mmap(fd, 8 << 20)
+os.close(fd)
+m[: mib << 20] = b"x" * (mib << 20)
+os.write(ready, b"m")
+os.read(go, 1)
+"""
+
+
+class Mapper:
+    """A child that maps a memfd (this process's, or one of its own) and holds only the mapping
+    until it is let go."""
+
+    def __init__(self, path: str, mib: int) -> None:
+        self.ready_r, ready_w = os.pipe()
+        go_r, self.go_w = os.pipe()
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", MAPPER, path, str(mib), str(ready_w), str(go_r)],
+            pass_fds=(ready_w, go_r),
+        )
+        os.close(ready_w)
+        os.close(go_r)
+        assert _read_exactly(self.ready_r, 1) == b"m"
+
+    def close(self) -> None:
+        os.close(self.go_w)  # EOF: the child exits
+        os.close(self.ready_r)
+        self.child.wait(timeout=WAIT_S)
+
+
+def test_a_memfd_open_here_and_mapped_in_a_child_counts_once_with_its_allocated_bytes():
+    assert internal_shmem_dev() is not None
+    fd = os.memfd_create("memprof-test")
+    try:
+        os.ftruncate(fd, 8 << 20)
+        with mmap.mmap(fd, 8 << 20) as m:
+            m[: 3 * MIB] = b"y" * (3 * MIB)  # 3 of its 8 MiB allocated
+            before = read_anon_shmem([os.getpid()])
+            mapper = Mapper(f"/proc/{os.getpid()}/fd/{fd}", 3)  # writes the same 3 MiB
+            try:
+                both = read_anon_shmem([os.getpid(), mapper.child.pid])
+                child_only = read_anon_shmem([mapper.child.pid])
+            finally:
+                mapper.close()
+    finally:
+        os.close(fd)
+    assert both == before
+    # This process's other shared memory (none, usually) plus the memfd's 3 MiB, not 6 or 11
+    assert 3 * MIB <= both < 4 * MIB
+    assert child_only == 3 * MIB  # no descriptor there: its mapping's resident pages
+
+
+def test_a_memfd_only_mapped_counts_its_resident_bytes():
+    mapper = Mapper("", 2)
+    try:
+        assert read_anon_shmem([mapper.child.pid]) == 2 * MIB
+    finally:
+        mapper.close()

@@ -1,0 +1,171 @@
+"""shmloader/export.py, memprof's feed of arena rows from a user's command: rows keep coming while
+no batch is yielded, the last one is the state the process exits in, and the thread that writes
+them ends with its loader."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shmloader.export import StatsExport
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0  # a bound on any wait for a row; never reached when all is well
+RUN_S = 120  # a bound on one memprof run
+
+
+class FakeStats:
+    def __init__(self, held: int) -> None:
+        self.held = held
+
+    def as_row(self) -> dict[str, Any]:
+        return {"backend": "posix", "batches_held": self.held}
+
+
+class FakeHost:
+    """Stands for shmloader's host: ``snapshot`` is a bound method, as the iterator passes it."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def snapshot(self) -> FakeStats:
+        return FakeStats(self.held)
+
+
+class Rows:
+    """The read end of an export's pipe, row by row."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buf = fd, b""
+
+    def next(self) -> dict[str, Any]:
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.fd], [], [], WAIT_S)
+            assert ready, f"no row within {WAIT_S} s"
+            data = os.read(self.fd, 1 << 16)
+            assert data, "the export's pipe was closed"
+            self.buf += data
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+
+@pytest.fixture
+def pipe():
+    r, w = os.pipe()
+    yield r, w
+    for fd in (r, w):
+        os.close(fd)
+
+
+def _threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "shmloader-stats-export"]
+
+
+def test_rows_keep_coming_with_the_latest_state_when_no_batch_is_yielded(pipe):
+    r, w = pipe
+    export, host, rows = StatsExport(w, 0.01), FakeHost(), Rows(r)
+    host.held = 1
+    export.tick(host.snapshot)
+    assert rows.next()["batches_held"] == 1
+    host.held = 40  # the job took more batches, then stopped yielding: no tick from here on
+    while (row := rows.next())["batches_held"] != 40:
+        assert row["batches_held"] == 1
+    assert row["kind"] == "arena" and row["pid"] == os.getpid()
+    del export, host
+    gc.collect()
+
+
+@pytest.mark.parametrize("interval", [0.01, 3600.0])
+def test_the_thread_ends_when_its_loader_is_gone_and_keeps_nothing_alive(pipe, interval):
+    _, w = pipe
+    before = set(_threads())
+    host = FakeHost()
+    host.export = StatsExport(w, interval)  # type: ignore[attr-defined]  # as shmloader's host
+    host.export.tick(host.snapshot)  # type: ignore[attr-defined]
+    (thread,) = set(_threads()) - before
+    assert thread.daemon
+    del host  # the thread holds it weakly: dropping it frees it, and ends the thread at once
+    gc.collect()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+def test_a_tick_within_the_interval_writes_nothing(pipe):
+    r, w = pipe
+    export, host = StatsExport(w, 3600.0), FakeHost()
+    export.tick(host.snapshot)
+    export.tick(host.snapshot)
+    os.set_blocking(r, False)
+    assert os.read(r, 1 << 16).count(b"\n") == 1
+    del export, host
+    gc.collect()
+
+
+EXITING = textwrap.dedent(
+    """
+    import sys
+    from shmloader.export import StatsExport
+
+    class Stats:
+        def __init__(self, held): self.held = held
+        def as_row(self): return {"batches_held": self.held}
+
+    class Host:
+        held = 1
+        def snapshot(self): return Stats(self.held)
+
+    host = Host()
+    export = StatsExport(int(sys.argv[1]), 3600.0)  # no row from the interval before exit
+    export.tick(host.snapshot)
+    host.held = 40
+    """
+)
+
+
+def test_the_last_row_is_the_state_the_process_exits_in(pipe):
+    r, w = pipe
+    proc = subprocess.run([sys.executable, "-c", EXITING, str(w)], cwd=REPO, pass_fds=(w,),
+                          capture_output=True, text=True, timeout=RUN_S, check=False)
+    assert proc.returncode == 0, proc.stderr
+    os.set_blocking(r, False)
+    rows = [json.loads(line) for line in os.read(r, 1 << 16).splitlines()]
+    assert [row["batches_held"] for row in rows] == [1, 40]
+
+
+HOLDER = textwrap.dedent(
+    """
+    import torch
+    from torch.utils.data import TensorDataset
+    import shmloader
+
+    if __name__ == "__main__":
+        data = TensorDataset(torch.zeros(4 * 24, 4096, dtype=torch.uint8))
+        loader = shmloader.DataLoader(data, batch_size=4, num_workers=2)
+        held = list(loader)  # keeps every batch of the epoch, then exits at once
+        assert loader.stats().batches_held == 24
+    """
+)
+
+
+def test_memprof_sees_the_peak_of_a_script_that_keeps_its_batches(tmp_path):
+    script = tmp_path / "keep.py"
+    script.write_text(HOLDER)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.memprof", "--interval", "5", "--no-plot", "--out",
+         str(out), "--", sys.executable, str(script)],
+        cwd=REPO, capture_output=True, text=True, timeout=RUN_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["arena"]["peak_batches_held"] == 24
