@@ -3,6 +3,7 @@ formats and shards, the slot fast path, and every bad input the issue lists."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 
@@ -321,12 +322,51 @@ def test_file_rewritten_while_mapped_fails_the_next_batch_not_with_sigbus(tmp_pa
         slot_default_collate(ds.__getitems__([1, 2]))
 
 
-def test_file_changed_before_a_worker_reopens_it_is_refused(tmp_path):
+def test_file_changed_before_a_worker_reopens_it_is_refused_at_first_use(tmp_path):
     p = write_file(tabular_table(50), tmp_path / "t.arrow")
-    blob = pickle.dumps(ArrowDataset(p))
-    write_file(tabular_table(60), p)
+    original = ArrowDataset(p)
+    blob = pickle.dumps(original)
+    write_file(tabular_table(60), p)  # rewritten in place: the same inode, other bytes
+    copy = pickle.loads(blob)  # a worker unpickles before it can report an error: defer it
+    for use in (len, lambda d: d[0], lambda d: d.__getitems__([0])):
+        with pytest.raises(ArrowSourceError, match=r"t\.arrow: the file changed since it was "
+                                                    r"opened \(re-opened through /proc/"):
+            use(copy)
+    assert "unusable" in repr(copy)
     with pytest.raises(ArrowSourceError, match=r"t\.arrow: the file changed"):
-        pickle.loads(blob)
+        pickle.loads(pickle.dumps(copy))[0]  # still pickles as the same file
+
+
+def test_a_file_renamed_over_the_path_is_never_seen_by_the_open_dataset_nor_its_copies(tmp_path):
+    p = write_file(pa.table({"y": np.full(30, 1)}), tmp_path / "t.arrow")
+    ds = ArrowDataset(p)
+    os.replace(write_file(pa.table({"y": np.full(40, 2)}), tmp_path / "new.arrow"), p)
+    # the old inode is unlinked, yet it is the file still mapped and served
+    assert len(ds) == 30 and int(slot_default_collate(ds.__getitems__([0, 29]))["y"][1]) == 1
+    copy = pickle.loads(pickle.dumps(ds))  # as a spawned worker: the descriptor, not the path
+    assert len(copy) == 30 and int(copy[29]["y"]) == 1
+    assert len(ArrowDataset(p)) == 40  # opening the path again gives the new file
+
+
+def test_metadata_changes_are_not_changes_of_the_file(tmp_path):
+    # A chmod or a hard link (a backup tool, a permissions sweep) must not fail a running job.
+    p = write_file(pa.table({"y": np.full(100, 1)}), tmp_path / "t.arrow")
+    ds = ArrowDataset(p)
+    os.chmod(p, 0o444)
+    os.link(p, tmp_path / "link.arrow")
+    assert int(ds[99]["y"]) == 1
+    assert int(pickle.loads(pickle.dumps(ds))[0]["y"]) == 1
+
+
+def test_a_relative_path_is_reopened_from_where_it_was_opened(tmp_path, monkeypatch):
+    write_file(tabular_table(20), tmp_path / "rel.arrow")
+    monkeypatch.chdir(tmp_path)
+    blob = pickle.dumps(ArrowDataset("rel.arrow"))
+    gc.collect()  # the opening dataset is gone: a re-open must use the path
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # e.g. Hydra's run directory
+    copy = pickle.loads(blob)
+    assert copy[19]["name"] == "row-19" and str(tmp_path / "rel.arrow") in repr(copy)
 
 
 def test_missing_column_lists_the_available_ones(path):
@@ -392,6 +432,27 @@ def test_index_out_of_range_is_an_index_error(ds):
         ds[-ROWS - 1]
     with pytest.raises(IndexError):
         ds.__getitems__([0, ROWS + 5])
+
+
+@pytest.mark.parametrize("index", [2**63, -(2**63) - 1, 10**30])
+def test_an_index_beyond_int64_is_an_index_error_as_for_a_list(ds, index):
+    with pytest.raises(IndexError, match=f"index {index} out of range"):
+        ds[index]
+    with pytest.raises(IndexError, match=f"index {index} out of range"):
+        ds.__getitems__([1, index])
+
+
+def test_duplicate_column_names_are_refused_naming_the_file_and_the_fix(tmp_path):
+    table = pa.Table.from_arrays([pa.array([1]), pa.array([2]), pa.array([3])],
+                                 names=["id", "score", "score"])
+    p = write_file(table, tmp_path / "dup.arrow")
+    for columns in (None, ["score"]):
+        with pytest.raises(ArrowSourceError, match=r"dup\.arrow: column 'score' appears more than "
+                                                   r"once.*rename the columns"):
+            ArrowDataset(p, columns=columns)
+    assert ArrowDataset(p, columns=["id"])[0]["id"] == 1
+    with pytest.raises(ValueError, match="columns= lists 'id' more than once"):
+        ArrowDataset(p, columns=["id", "id"])
 
 
 def test_shards_with_different_types_are_refused(tmp_path):

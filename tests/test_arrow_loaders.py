@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 import shmloader
-from shmloader.arrow import ArrowDataset, collate_padded
+from shmloader.arrow import ArrowDataset, ArrowSourceError, collate_padded
 from shmloader.arrow.rows import ArrowRows
 from tests.arrow_files import every_type_table, tabular_table, write_file
 from tests.test_arrow import FIXED, same
@@ -67,3 +71,26 @@ def test_shmloader_workers_gather_columns_without_building_rows(every_path, monk
     ds = ArrowDataset(every_path, columns=["vec", "i64", "name", "flag"])
     loader = shmloader.DataLoader(ds, batch_size=32, num_workers=2, multiprocessing_context="fork")
     assert sum(len(batch["name"]) for batch in loader) == len(ds)
+
+
+def _epoch(loader):
+    return [int(v) for batch in loader for v in batch["y"]]
+
+
+def test_spawned_workers_keep_reading_a_file_renamed_over_between_epochs(tmp_path):
+    p = write_file(pa.table({"y": np.full(32, 1)}), tmp_path / "t.arrow")
+    loader = shmloader.DataLoader(ArrowDataset(p), batch_size=16, num_workers=1,
+                                  multiprocessing_context="spawn")
+    assert _epoch(loader) == [1] * 32
+    os.replace(write_file(pa.table({"y": np.full(32, 2)}), tmp_path / "new.arrow"), p)
+    assert _epoch(loader) == [1] * 32  # the new workers re-open the old file, not the path
+
+
+def test_a_file_changed_before_spawned_workers_reopen_it_is_an_error_naming_it(tmp_path):
+    p = write_file(pa.table({"y": np.full(32, 1)}), tmp_path / "t.arrow")
+    loader = shmloader.DataLoader(ArrowDataset(p), batch_size=16, num_workers=1,
+                                  multiprocessing_context="spawn")
+    assert _epoch(loader) == [1] * 32
+    write_file(pa.table({"y": np.full(40, 2)}), p)  # rewritten in place
+    with pytest.raises(ArrowSourceError, match=r"t\.arrow: the file changed since it was opened"):
+        _epoch(loader)

@@ -85,8 +85,7 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
     def refuse(why: str = "") -> ArrowSourceError:
         return ArrowSourceError(
             f"{source}: column {name!r} has type {t}{why}, which ArrowDataset cannot read; "
-            f"supported: {SUPPORTED}. Cast it when packing (e.g. timestamps to int64, "
-            f"dictionaries decoded, nested lists flattened)"
+            f"supported: {SUPPORTED}. {_fix(name, t, source)}"
         )
 
     if t in NUMBER_DTYPES or pa.types.is_fixed_size_list(t) or isinstance(
@@ -137,6 +136,19 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
             for i in range(t.num_fields)
         })
     raise refuse()
+
+
+def _fix(name: str, t: pa.DataType, source: str) -> str:
+    """What to do about unsupported column ``name`` (``a.b`` inside a struct): what tools.pack
+    really converts (top-level dictionary and date/time columns), else cast it yourself."""
+    packable = pa.types.is_dictionary(t) or pa.types.is_date(t) or pa.types.is_time(t) or (
+        pa.types.is_timestamp(t) or pa.types.is_duration(t))
+    if packable and "." not in name:
+        return (f"Repack it: `python -m tools.pack {source} -o OUT.arrow` decodes dictionary "
+                f"columns and stores dates, times, timestamps and durations as int64")
+    return ("Cast it to a supported type before packing (pyarrow Table.cast or "
+            "pyarrow.compute: e.g. decimals to float64, nested lists flattened, dictionaries "
+            "decoded); tools.pack converts only top-level dictionary and date/time columns")
 
 
 def _bits(arrays: Sequence[pa.Array], shards: Sequence[Shard], buffer: int) -> Bits:

@@ -1,7 +1,9 @@
 """``ArrowDataset``: a map-style dataset over memory-mapped Arrow files, gathered by column.
 
 The rows live in the page cache, not in Python objects, so a forked worker never copies them
-(pytorch#13246), and a spawned one re-maps the files by path at a cost independent of their size.
+(pytorch#13246), and a spawned one re-maps the very files the opening process holds (through
+``/proc/<pid>/fd``; by absolute path only when that is impossible) at a cost independent of their
+size.
 ``ds[i]`` is a dict of the selected columns (types: :mod:`shmloader.arrow.columns`);
 ``ds.__getitems__(indices)``, which torch's fetcher calls, returns :class:`ArrowRows`, which
 shmloader's default collate gathers column by column straight into the batch's slot.
@@ -10,11 +12,18 @@ Invariants:
 - ``len(ds)`` is the total row count of the shards, in order; row ``i`` lives in record batch
   ``searchsorted(starts, i, "right") - 1`` (empty record batches are dropped at open).
 - Open refuses what could fail later: a non-Arrow, compressed or truncated file, shards whose
-  selected columns differ in type, a missing or unsupported column, and any null outside a
-  string or binary column (those give ``None``, as ``Table.to_pylist`` does). Afterwards a
-  gather can fail only on an index out of range (``IndexError``) or a file changed on disk.
-- Pickling carries :class:`ShardSpec` records (paths and identities; an in-memory table's IPC
-  bytes), the column names and the transform; never a mapped buffer.
+  selected columns differ in type, a missing, duplicated or unsupported column, and any null
+  outside a string or binary column (those give ``None``, as ``Table.to_pylist`` does).
+  Afterwards a gather can fail only on an index out of range (``IndexError``, however large the
+  index) or a file changed on disk.
+- Pickling carries :class:`ShardSpec` records (absolute paths, identities and the opening
+  process's descriptors; an in-memory table's IPC bytes), the column names and the transform;
+  never a mapped buffer.
+- Unpickling never raises for a file that changed or vanished: the error (naming the file) is
+  raised by the first ``len``/``ds[i]``/``__getitems__`` instead. A spawn or forkserver worker
+  unpickles its dataset before it can report anything, so an error there would only kill it
+  ("worker exited unexpectedly"); at the first fetch it reaches the main process as the
+  worker's exception.
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ class ArrowDataset(Dataset[dict[str, Any]]):
             an encoded image. With a transform, batches are collated item by item.
     """
 
+    _broken: BaseException | None = None  # set only by unpickling a changed file (_restore)
+
     def __init__(
         self,
         source: Source,
@@ -66,6 +77,10 @@ class ArrowDataset(Dataset[dict[str, Any]]):
     ) -> None:
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of column names, got the string {columns!r}")
+        if columns is not None:
+            twice = sorted({c for c in columns if list(columns).count(c) > 1})
+            if twice:
+                raise ValueError(f"columns= lists {', '.join(map(repr, twice))} more than once")
         if isinstance(source, pa.Table):
             shards = [Shard.from_table(source)]
         elif isinstance(source, str | os.PathLike):
@@ -81,9 +96,19 @@ class ArrowDataset(Dataset[dict[str, Any]]):
                transform: Callable[[dict[str, Any]], Any] | None) -> None:
         self.transform = transform
         self._shards = shards
+        self._specs = [s.spec for s in shards]
         first = shards[0]
         names = list(first.schema.names) if columns is None else columns
         for shard in shards:
+            all_names = list(shard.schema.names)
+            twice = sorted({c for c in names if all_names.count(c) > 1})
+            if twice:
+                raise ArrowSourceError(
+                    f"{shard.name}: column {', '.join(map(repr, twice))} appears more than once "
+                    f"in the file; ArrowDataset needs distinct names: rename the columns "
+                    f"(pyarrow Table.rename_columns, or the CSV header) and pack it again, or "
+                    f"pass columns=[...] without it"
+                )
             missing = [c for c in names if c not in shard.schema.names]
             if missing:
                 raise ArrowSourceError(
@@ -137,10 +162,17 @@ class ArrowDataset(Dataset[dict[str, Any]]):
 
     # -- Dataset ---------------------------------------------------------------------------------
 
+    def _usable(self) -> None:
+        """Raise the error unpickling deferred, if any (module docstring)."""
+        if self._broken is not None:
+            raise self._broken.with_traceback(None)
+
     def __len__(self) -> int:
+        self._usable()
         return self._len
 
     def __getitem__(self, index: int) -> Any:
+        self._usable()
         i = operator.index(index)
         row = self._rows(self._where([i]))[0]
         return row if self.transform is None else self.transform(row)
@@ -148,6 +180,7 @@ class ArrowDataset(Dataset[dict[str, Any]]):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The rows at ``indices``: :class:`ArrowRows` (gathered by column when collated), or
         with a transform the list of transformed items."""
+        self._usable()
         where = self._where(indices)
         if self.transform is None:
             return ArrowRows(self, where)
@@ -158,17 +191,26 @@ class ArrowDataset(Dataset[dict[str, Any]]):
         return list(self._columns)
 
     def __repr__(self) -> str:
-        names = [s.name for s in self._shards]
+        names = [s.name for s in self._specs]
+        if self._broken is not None:
+            return f"ArrowDataset(unusable: {self._broken})"
         where = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more shards"
         return f"ArrowDataset({self._len} rows, columns {self._columns}, from {where})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, ([s.spec for s in self._shards], self._columns, self.transform))
+        return (_restore, (self._specs, self._columns, self.transform))
 
     # -- gathering -------------------------------------------------------------------------------
 
     def _where(self, indices: Sequence[int]) -> Where:
-        idx = np.array(indices, dtype=np.int64).reshape(-1)
+        try:
+            idx = np.array(indices, dtype=np.int64).reshape(-1)
+        except OverflowError:  # beyond int64: out of range, as for a list (not OverflowError)
+            huge = next(i for i in map(operator.index, indices) if not -(2**63) <= i < 2**63)
+            raise IndexError(
+                f"ArrowDataset index {huge} out of range for {self._len} rows "
+                f"({self._shards[0].name})"
+            ) from None
         idx = np.where(idx < 0, idx + self._len, idx)
         bad = np.flatnonzero((idx < 0) | (idx >= self._len))
         if len(bad):
@@ -198,7 +240,14 @@ class ArrowDataset(Dataset[dict[str, Any]]):
 
 def _restore(specs: list[ShardSpec], columns: list[str],
              transform: Callable[[dict[str, Any]], Any] | None) -> ArrowDataset:
-    """Unpickle: re-open every shard (refusing files changed since), rebuild the plans."""
+    """Unpickle: re-open every shard and rebuild the plans; a file changed or gone since makes a
+    dataset whose first use raises that error (module docstring: why not raise here)."""
     ds = ArrowDataset.__new__(ArrowDataset)
-    ds._setup([Shard(spec) for spec in specs], columns, transform)
+    try:
+        shards = [Shard(spec) for spec in specs]
+    except (ArrowSourceError, OSError) as exc:
+        ds.transform, ds._specs, ds._columns, ds._shards = transform, specs, columns, []
+        ds._broken = exc
+        return ds
+    ds._setup(shards, columns, transform)
     return ds

@@ -14,15 +14,27 @@ Invariants:
   whole mapping as integers of 1, 2, 4 or 8 bytes (read-only memory: those tensors are never
   written and never handed out); ``window(s, n)`` is the overlapping view whose row ``e`` is the
   ``n`` elements starting at element ``e``, so one ``index_select`` gathers rows from anywhere.
-- A file shard pickles as its path plus the ``(size, mtime_ns)`` seen when it was first opened;
-  re-opening (a spawn or forkserver worker) refuses a file whose size or mtime changed.
-  :meth:`check_unchanged` (one ``fstat``) guards every gather the same way: a truncated mapping
-  would otherwise kill the process with SIGBUS.
+- A file shard is opened once, by its absolute path, and keeps that descriptor open for its
+  whole life; the mapping is made from the descriptor, so it is the very file whose
+  :class:`FileIdentity` (device, inode, size, mtime) was taken from that descriptor.
+- It pickles as :class:`ShardSpec`: the absolute path, that identity, and where the descriptor
+  lives (``owner_pid``, ``fd``). Re-opening (a spawn or forkserver worker, any unpickling)
+  reaches the same inode through ``/proc/<owner_pid>/fd/<fd>`` (``dup`` in the owner itself), so
+  a new file renamed over the path since is never seen; only when that is impossible (the owner
+  exited, ``/proc`` is unreadable, the descriptor now names another inode) does it fall back to
+  the path, and then a different inode is refused like any other change.
+- :meth:`check_unchanged` (one ``fstat``) refuses a file whose identity changed: it guards every
+  gather (a truncated mapping would otherwise kill the process with SIGBUS) and every re-open.
+  Metadata changes (``chmod``, ``chown``, a new hard link) are not changes: a training job must
+  not die of one. So an in-place rewrite that restores both size and mtime (``cp -p`` of a file
+  of equal size) goes unseen: replace dataset files by renaming a new file over them.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -48,12 +60,78 @@ IN_MEMORY: Final = "<in-memory pyarrow.Table>"
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """What ``fstat`` said of a file when it was opened: which inode, and its state then."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def same_inode(self, st: os.stat_result) -> bool:
+        return (st.st_dev, st.st_ino) == (self.dev, self.ino)
+
+    def changes(self, st: os.stat_result) -> str | None:
+        """How the file ``st`` describes differs from this identity, or None if it does not."""
+        if not self.same_inode(st):
+            return (f"another file now has this path: device/inode {self.dev}/{self.ino} -> "
+                    f"{st.st_dev}/{st.st_ino}")
+        seen = []
+        if st.st_size != self.size:
+            seen.append(f"size {self.size} -> {st.st_size} bytes")
+        if st.st_mtime_ns != self.mtime_ns:
+            seen.append(f"mtime {self.mtime_ns} -> {st.st_mtime_ns} ns")
+        return ", ".join(seen) or None
+
+
+@dataclass(frozen=True)
 class ShardSpec:
-    """What a shard pickles as: a path and the file's identity, or the IPC bytes of a table."""
+    """What a shard pickles as: a file's absolute path, its identity and the descriptor the
+    opening process holds (``owner_pid``, ``fd``), or the IPC bytes of a table."""
 
     name: str
-    identity: tuple[int, int] | None = None  # (size, mtime_ns) of a file
+    identity: FileIdentity | None = None
     ipc: pa.Buffer | None = None  # an in-memory table's IPC bytes
+    owner_pid: int = -1
+    fd: int = -1
+
+
+def _absolute(path: str | os.PathLike[str]) -> str:
+    """``path`` joined to the current directory if relative (not normalised: ``..`` after a
+    symlink keeps its meaning)."""
+    name = os.fspath(path)
+    return name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
+
+
+def _reopen(spec: ShardSpec) -> tuple[int, str]:
+    """A descriptor of the file ``spec`` describes, and how it was reached (for errors): the
+    owner's descriptor if it still names that inode, else the path (module docstring)."""
+    assert spec.identity is not None
+    how = f"its path (the process that opened it, pid {spec.owner_pid}, could not be reached)"
+    if spec.owner_pid > 0 and spec.fd >= 0:
+        fd = -1
+        try:
+            if spec.owner_pid == os.getpid():
+                fd = os.dup(spec.fd)
+                os.set_inheritable(fd, False)
+            else:
+                fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            how = (f"its path (/proc/{spec.owner_pid}/fd/{spec.fd} of the process that opened it: "
+                   f"{os.strerror(exc.errno or 0)})")
+        if fd >= 0:
+            try:
+                if spec.identity.same_inode(os.fstat(fd)):
+                    return fd, f"/proc/{spec.owner_pid}/fd/{spec.fd}"
+            except OSError:
+                pass
+            os.close(fd)
+            how = f"its path (descriptor {spec.fd} of pid {spec.owner_pid} names another file now)"
+    return os.open(spec.name, os.O_RDONLY | os.O_CLOEXEC), how
 
 
 class Shard:
@@ -61,7 +139,8 @@ class Shard:
 
     _fd = -1
 
-    def __init__(self, spec: ShardSpec) -> None:
+    def __init__(self, spec: ShardSpec, fd: int = -1) -> None:
+        """Open ``spec``; ``fd``, if given, is a descriptor of its file this shard now owns."""
         self.spec = spec
         self.name = spec.name
         self._carriers: dict[int, torch.Tensor] = {}
@@ -69,7 +148,7 @@ class Shard:
         if spec.ipc is not None:
             self.buffer = spec.ipc
         else:
-            self.buffer = self._map_file(spec)
+            self.buffer = self._map_file(spec, fd)
         self.base = self.buffer.address
         self.size = self.buffer.size
         self.schema, batches = self._read_batches()
@@ -79,9 +158,14 @@ class Shard:
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> Shard:
-        name = os.fspath(path)
-        st = os.stat(name)
-        return cls(ShardSpec(name, (st.st_size, st.st_mtime_ns)))
+        name = _absolute(path)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(ShardSpec(name, FileIdentity.of(st), None, os.getpid(), fd), fd)
 
     @classmethod
     def from_table(cls, table: pa.Table) -> Shard:
@@ -92,15 +176,20 @@ class Shard:
 
     # -- opening --------------------------------------------------------------------------------
 
-    def _map_file(self, spec: ShardSpec) -> pa.Buffer:
-        fd = os.open(spec.name, os.O_RDONLY | os.O_CLOEXEC)
+    def _map_file(self, spec: ShardSpec, fd: int) -> pa.Buffer:
+        how = "its path"
+        if fd < 0:
+            fd, how = _reopen(spec)
         self._fd = fd
         weakref.finalize(self, os.close, fd)
-        self.check_unchanged()
-        if os.fstat(fd).st_size == 0:
+        self.check_unchanged(f"since it was opened (re-opened through {how})")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArrowSourceError(f"{spec.name}: not a regular file, not an Arrow IPC file")
+        if st.st_size == 0:
             raise ArrowSourceError(f"{spec.name}: the file is empty, not an Arrow IPC file")
-        mapped = pa.memory_map(spec.name, "r")
-        return mapped.read_buffer(mapped.size())
+        mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return pa.py_buffer(mapped)
 
     def _read_batches(self) -> tuple[pa.Schema, list[pa.RecordBatch]]:
         head = self.buffer[:8].to_pybytes()
@@ -140,18 +229,17 @@ class Shard:
 
     # -- while mapped ---------------------------------------------------------------------------
 
-    def check_unchanged(self) -> None:
-        """Raise if the file was truncated or rewritten since it was first opened."""
+    def check_unchanged(self, when: str = "while mapped") -> None:
+        """Raise if the file was truncated, rewritten or replaced since it was first opened."""
         if self._fd < 0 or self.spec.identity is None:
             return
-        st = os.fstat(self._fd)
-        size, mtime = self.spec.identity
-        if st.st_size < size or st.st_mtime_ns != mtime:
+        why = self.spec.identity.changes(os.fstat(self._fd))
+        if why is not None:
             raise ArrowSourceError(
-                f"{self.name}: the file changed while mapped (size {size} -> {st.st_size} "
-                f"bytes, mtime {mtime} -> {st.st_mtime_ns} ns); reading it now could crash the "
-                f"process with SIGBUS. Do not rewrite a dataset file in place while a job uses "
-                f"it: write a new file and open that"
+                f"{self.name}: the file changed {when} ({why}); reading it now could crash the "
+                f"process with SIGBUS or give wrong rows. Do not rewrite a dataset file in "
+                f"place while a job uses it: write a new file, rename it over the old one, and "
+                f"open a new ArrowDataset to read it"
             )
 
     def carrier(self, itemsize: int) -> torch.Tensor:
