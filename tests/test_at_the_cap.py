@@ -164,10 +164,12 @@ def test_spilled_batches_match_torchs_dataloader_bit_for_bit():
     assert not data.waited_out.is_set(), "the forced ordering did not happen"
 
 
-def small_then_big_loader(data: LateBatch) -> shmloader.DataLoader:
-    # Batches of 100,000 bytes in slots of 102,400 (5 to a slab: 512,000 bytes), then a batch
-    # of 600,000 bytes (602,112) under a 1 MiB cap: beside the whole small slab it cannot fit.
-    return shmloader.DataLoader(
+def small_then_big() -> tuple[LateBatch, shmloader.DataLoader, Any, Any]:
+    """Batches of 100,000 bytes in slots of 102,400 (5 to a slab: 512,000 bytes), and batch 4
+    of 600,000 bytes (602,112) under a 1 MiB cap: beside the whole small slab it cannot fit.
+    The dataset, the loader, its iterator and the first batch (which the caller holds)."""
+    data = LateBatch(4 * 8, batch_size=4, width=6250, wide=37500, wide_batches=frozenset({4}))
+    loader = shmloader.DataLoader(
         data,
         batch_size=4,
         num_workers=1,
@@ -175,6 +177,8 @@ def small_then_big_loader(data: LateBatch) -> shmloader.DataLoader:
         arena_slots_per_slab=5,
         timeout=LOADER_TIMEOUT_S,
     )
+    it = iter(loader)
+    return data, loader, it, next(it)
 
 
 @frees_its_loaders_on_failure
@@ -182,10 +186,7 @@ def test_free_slots_beside_a_held_batch_are_hollowed_to_make_room_at_the_cap():
     # The user keeps the first small batch, so its slab cannot be given back; its four free
     # slots are hollowed instead (their memory goes back and leaves the cap's count), and the
     # big batch fits: 102,400 + 602,112 bytes are held, under the cap.
-    data = LateBatch(4 * 8, batch_size=4, width=6250, wide=37500, wide_batches=frozenset({4}))
-    loader = small_then_big_loader(data)
-    it = iter(loader)
-    first = next(it)
+    data, loader, it, first = small_then_big()
     hollow = 0
     for k in range(1, 8):
         x, y = next(it)  # the loop's previous batch is dropped as the next one comes
@@ -203,10 +204,7 @@ def test_free_slots_beside_a_held_batch_are_hollowed_to_make_room_at_the_cap():
 def test_the_error_at_the_cap_names_free_slots_it_cannot_hollow():
     # Page-locked slabs are never hollowed (the GPU may read any of their pages): then the
     # free slots beside the held batch stay, and the error says so with their numbers.
-    data = LateBatch(4 * 8, batch_size=4, width=6250, wide=37500, wide_batches=frozenset({4}))
-    loader = small_then_big_loader(data)
-    it = iter(loader)
-    first = next(it)
+    data, loader, it, first = small_then_big()
     loader._host.arena.can_hollow = lambda slab_id: False  # as for page-locked slabs
     with pytest.raises(ArenaExhaustedError) as err:
         while True:
