@@ -35,7 +35,8 @@ class LoaderStats:
     Fields:
     - ``arena``: the arena's own record (:class:`arena.ArenaStats`); its fields are also
       properties of this record, listed below.
-    - ``batches_held``: batches yielded to the user whose views are still alive.
+    - ``batches_held``: batches yielded to the user whose views are still alive, in arena slots
+      (a spilled batch the user holds is counted in ``batches_spilled``).
     - ``pinned_bytes``: arena bytes page-locked for CUDA (0 without ``pin_memory`` or a GPU).
     - ``worker_pids``: process ids of the most recent multi-worker iterator's workers (they may
       have exited since; empty before the first one).

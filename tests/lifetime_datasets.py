@@ -193,15 +193,19 @@ class PairRows(Dataset):
     """Sample i: ``(row, i)`` where ``row`` is ``row_value(i)`` repeated ``width`` times, as an
     int64 torch tensor (``kind="torch"``) or NumPy array (``kind="numpy"``)."""
 
-    def __init__(self, n: int, width: int, kind: str = "torch") -> None:
+    def __init__(self, n: int, width: int, kind: str = "torch", max_rounds: int = 0) -> None:
         self.n = n
         self.width = width
         self.kind = kind
+        self.max_rounds = max_rounds  # uneven work per index, as UnevenWork's (0: none)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
+        h = i
+        for _ in range((i * 7919 + 104729) % 97 * self.max_rounds // 97):
+            h = (h * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
         row = np.full(self.width, row_value(i), dtype=np.int64)
         return (torch.from_numpy(row) if self.kind == "torch" else row), i
 

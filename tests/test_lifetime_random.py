@@ -21,6 +21,15 @@ After every step each held object of an unreleased group is compared with the da
 live iterator is drained (its batches checked), everything is dropped, and every slot must be
 free.
 
+Some scenarios give the loader a tight ``arena_max_bytes`` (room for 2 to 6 of the largest
+batch) and prefetch far ahead, so the arena runs at its cap: later batches are spilled, free
+slots hollowed, slabs of other sizes given back (tests/test_at_the_cap.py forces each case;
+here they mix). Then the arena must stay within its cap (plus the bytes kept for forked workers),
+its slab files must hold exactly the bytes it reports, and an ``ArenaExhaustedError`` is allowed
+only while the user holds a batch: the model then drops its oldest group, as a user would, and
+goes on. A capped scenario keeps one live iterator (another iterator's prefetched batches hold
+slots this one cannot take back).
+
 Each example runs in a fork of the test process (tests/forked.py), so a failing example's
 traceback cannot keep its workers alive and a hang fails that example. Bounds: the program is
 short, fork gets :data:`FORK_EXAMPLES` examples, spawn and forkserver
@@ -44,6 +53,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import shmloader
+from arena import ArenaExhaustedError
+from arena._layout import PAGE, page_align
 from tests.forked import ForkedChild
 from tests.lifetime_datasets import (
     ListBatchSampler,
@@ -87,11 +98,13 @@ class Scenario:
     width: int
     sizes: tuple[int, ...]  # batch sizes of one epoch, in order
     steps: tuple[tuple[str, int, int, int], ...]
+    cap_batches: int | None = None  # arena_max_bytes as this many of the largest batch
 
     def __repr__(self) -> str:  # what hypothesis prints for a failing example
         return (
             f"Scenario({self.start_method}, persistent={self.persistent}, {self.kind}, "
-            f"width={self.width}, sizes={list(self.sizes)}, steps={list(self.steps)})"
+            f"width={self.width}, sizes={list(self.sizes)}, cap_batches={self.cap_batches}, "
+            f"steps={list(self.steps)})"
         )
 
 
@@ -118,6 +131,7 @@ def scenarios(draw: st.DrawFn, start_method: str) -> Scenario:
                 )
             )
         ),
+        cap_batches=draw(st.one_of(st.none(), st.integers(2, 6))) if cheap else None,
     )
 
 
@@ -131,6 +145,7 @@ class Group:
     name: str
     objects: list[tuple[Any, np.ndarray]] = field(default_factory=list)
     released: bool = False
+    spilled: bool = False  # copied out of the arena at the cap: it holds no slot
 
 
 @dataclass
@@ -149,15 +164,22 @@ class Run:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.batches = consecutive_batches(sc.sizes)
+        capped = sc.cap_batches is not None
+        largest = page_align(max(sc.sizes) * (sc.width + 1) * 8 + PAGE)  # rows, labels, payload
         self.loader = shmloader.DataLoader(
-            PairRows(sum(sc.sizes), sc.width, sc.kind),
+            # At the cap, uneven work per sample: workers finish out of sampler order, so
+            # later batches take slots before the one needed next asks (and get spilled).
+            PairRows(sum(sc.sizes), sc.width, sc.kind, max_rounds=3000 if capped else 0),
             batch_sampler=ListBatchSampler(self.batches),
             num_workers=2,
             collate_fn=numpy_pair_collate if sc.kind == "numpy" else None,
             multiprocessing_context=sc.start_method,
             persistent_workers=sc.persistent,
             timeout=LOADER_TIMEOUT_S,
+            prefetch_factor=8 if capped else 2,
+            arena_max_bytes=(sc.cap_batches or 0) * largest or None,
         )
+        self.max_iterators = 1 if capped else MAX_ITERATORS
         self.iterators: list[LiveIterator] = []
         self.created = 0
         self.groups: list[Group] = []
@@ -193,7 +215,7 @@ class Run:
             self.new_iterator()
         live = self.iterators[a % len(self.iterators)]
         try:
-            batch = next(live.it)
+            batch = self.next_of(live)
         except StopIteration:
             assert live.pos == len(self.batches), (
                 f"epoch ended after {live.pos} of {len(self.batches)} batches"
@@ -205,12 +227,34 @@ class Run:
         x, y = batch
         want_x, want_y = self.expected(k)
         group = Group(f"batch {k} of iterator {id(live.it):#x}", [(x, want_x), (y, want_y)])
+        group.spilled = not self.in_arena(x)
         self.groups.append(group)
         if b % 3 == 0:  # sometimes the batch object itself is what the user holds
             group.objects.append((batch, want_x))
         del batch, x, y
         if len(self.groups) > MAX_GROUPS:
             self.groups.pop(0)
+
+    def next_of(self, live: LiveIterator) -> Any:
+        """``next(live.it)``; at the cap, an ``ArenaExhaustedError`` is allowed only while the
+        user holds a batch: it then lets go of its oldest one and asks again."""
+        while True:
+            try:
+                return next(live.it)
+            except ArenaExhaustedError as e:
+                held = [g for g in self.groups if g.objects and not g.released]
+                assert self.sc.cap_batches is not None and held, (
+                    f"ArenaExhaustedError while the user holds no batch: {e}; steps: {self.log}"
+                )
+                held[0].objects.clear()
+                self.check("after an ArenaExhaustedError")
+
+    def in_arena(self, x: Any) -> bool:
+        ptr = x.data_ptr() if isinstance(x, torch.Tensor) else int(x.ctypes.data)
+        return any(
+            s.segment.address <= ptr < s.segment.address + s.size
+            for s in self.loader._host.arena.slabs()
+        )
 
     def _held_group(self, a: int) -> Group | None:
         held = [g for g in self.groups if g.objects]
@@ -257,7 +301,7 @@ class Run:
             return
         obj = group.objects[b % len(group.objects)][0]
         got = shmloader.release(obj, self.loader)
-        want = 0 if group.released else 1
+        want = 0 if group.released or group.spilled else 1
         assert got == want, (
             f"shmloader.release of {group.name} ({'again' if group.released else 'first'}) "
             f"returned {got}, expected {want}"
@@ -271,7 +315,7 @@ class Run:
         if self.created >= MAX_ITERATORS_CREATED:
             self.do_next(a, b, c)
             return
-        if len(self.iterators) >= MAX_ITERATORS:
+        if len(self.iterators) >= self.max_iterators:
             self.iterators.pop(a % len(self.iterators))
         self.new_iterator()
 
@@ -292,11 +336,20 @@ class Run:
                     wrong.append(g.name)
                     break
         assert wrong == [], f"{where}: held batches changed: {wrong}; steps: {self.log}"
-        held = sum(1 for g in self.groups if g.objects and not g.released)
-        assert self.loader.stats().batches_held == held, (
-            f"{where}: stats() says {self.loader.stats().batches_held} batches held, the user "
-            f"holds {held}; steps: {self.log}"
+        held = [g for g in self.groups if g.objects and not g.released]
+        st_ = self.loader.stats()
+        in_slots = sum(1 for g in held if not g.spilled)
+        assert st_.batches_held == in_slots, (
+            f"{where}: stats() says {st_.batches_held} batches held, the user "
+            f"holds {in_slots} in the arena; steps: {self.log}"
         )
+        spilled = sum(1 for g in held if g.spilled)  # (copies waiting their turn count too)
+        assert st_.batches_spilled >= spilled, f"{where}: {spilled} spilled held, {st_}"
+        if self.sc.cap_batches is not None and st_.slabs:
+            assert st_.bytes_reserved <= st_.max_bytes + st_.bytes_kept, f"{where}: {st_}"
+            arena = self.loader._host.arena  # the slab files hold what the arena reports
+            allocated = sum(os.fstat(s.segment._fd).st_blocks * 512 for s in arena.slabs())
+            assert allocated == st_.bytes_reserved, f"{where}: {allocated} allocated, {st_}"
 
     def finish(self) -> None:
         if self.sc.persistent and self.created:
@@ -306,7 +359,7 @@ class Run:
             self.new_iterator()
         for live in list(self.iterators):  # drain each epoch, checking every batch
             while live.pos < len(self.batches):
-                batch = next(live.it)
+                batch = self.next_of(live)
                 want_x, want_y = self.expected(live.pos)
                 live.pos += 1
                 assert np.array_equal(as_numpy(batch[0]), want_x), f"draining batch {live.pos - 1}"
