@@ -164,6 +164,20 @@ def _map(fd: int, size: int, populate: bool = True) -> ctypes.Array[ctypes.c_cha
     return array
 
 
+def map_readonly(fd: int, size: int) -> memoryview:
+    """Map ``size`` bytes of the file ``fd`` read-only and shared, as a byte memoryview that
+    unmaps itself when the last object referring to it is gone. Unlike ``mmap.mmap`` (before
+    Python 3.13), it keeps no duplicate of ``fd``: a caller that keeps ``fd`` holds one
+    descriptor per file, not two."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
+    array = (ctypes.c_char * size).from_address(addr)
+    weakref.finalize(array, _libc.munmap, addr, size).atexit = False  # as in _map
+    return memoryview(array).cast("B")
+
+
 _MAP_FIXED = 0x10  # Linux; the mmap module does not export it
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _MAP_NORESERVE = 0x4000  # Linux

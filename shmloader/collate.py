@@ -126,6 +126,14 @@ class SlotSession:
             and ptr + nbytes <= (self.base + self.writer.capacity)
         )
 
+    def shares(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views this session's slot, however strided (its storage overlaps it)."""
+        if self.bytes is None or t.is_meta or t.device.type != "cpu":
+            return False
+        storage = t.untyped_storage()
+        lo = storage.data_ptr()
+        return lo < self.base + self.writer.capacity and self.base < lo + storage.nbytes()
+
     def __enter__(self) -> SlotSession:
         global _session
         _session = self

@@ -429,8 +429,10 @@ class Dispatch:
         if any(
             i.ref is not None and i.answer is None and self.status[i.worker_id]
             for i in self.tasks
-        ):
-            return  # later batches being written: spilled once they are finished
+        ) or any(o.slots for o in self.orphans.values()):
+            # Later batches being written: spilled once they are finished; or batches of an
+            # abandoned epoch: their slots come back when their workers answer.
+            return
         if seq in self.unsent and seq not in self.asked:
             # Its size was only a guess (the largest batch so far): let its worker measure it
             # and ask for exactly what it needs, which may well fit.
@@ -454,12 +456,15 @@ class Dispatch:
             victim.answer = self.host.leases.spill(ready)
             victim.ref = None
             self.arena.release(ready.ref)
-            self._give_back_idle()
-            # The freed room goes to this task only (an offer could hand it to a later one).
+            # The freed room goes to this task only (an offer could hand it to a later one):
+            # the slot itself if it fits; else idle slabs and free slots give their memory
+            # back, and the arena grows into it.
             ref = self._acquire(nbytes, grow=False)
             if ref is not None:
                 self._give(info, ref)
                 return True
+            self._give_back_idle()
+            self.arena.hollow()
             if self._grow_for(info, nbytes):
                 return True
         return False
@@ -517,10 +522,11 @@ class Dispatch:
         held = leases.live()
         held_bytes = sum(self.arena.slot_size(lease.slot) for lease in held)
         free = st.slots_by_state.get("free", 0) - st.slots_hollow  # hollow ones take no room
+        why = "page-locked for CUDA" if self.host.pinner.pinned_bytes else "the kernel refused"
         stuck = (
             f"; its {free} free slots ({st.bytes_by_state.get('free', 0):,} bytes) are too "
-            "small for it and share page-locked slabs with the batches above, so they cannot "
-            "be given back"
+            "small for it, and could not give their memory back beside the batches above "
+            f"({why})"
             if free
             else ""
         )

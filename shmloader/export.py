@@ -18,10 +18,12 @@ be less than an interval after the last row.
 
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
 processes (ranks, several loaders) and threads never interleave; when unset, the per-batch cost is
-one attribute test; a write that fails (the reader went away) turns the export off with one
-warning, and its thread ends. The thread holds the loader's state only weakly (it ends once the
-loader is gone) and never runs in a forked child: a child that yields batches of an inherited
-loader starts its own. Rows of one process may arrive a few microseconds out of ``t`` order.
+one attribute test; the descriptor is non-blocking, so a reader that falls behind costs rows (one
+warning), never a stalled training step; a write that fails otherwise (the reader went away) turns
+the export off with one warning, and its thread ends. The thread holds the loader's state only
+weakly (it ends once the loader is gone) and never runs in a forked child: a child that yields
+batches of an inherited loader starts its own. Rows of one process may arrive a few microseconds
+out of ``t`` order.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class StatsExport:
         self._claim = threading.Lock()  # one row per interval between the yields and the thread
         self._source: Callable[[], Snapshot | None] | None = None  # the loader's, held weakly
         self._thread_pid = 0  # the process whose thread writes for this export (0: none yet)
+        self.dropped = 0  # rows not written because the reader's pipe was full
 
     @classmethod
     def from_environment(cls) -> StatsExport | None:
@@ -76,6 +79,9 @@ class StatsExport:
                 stacklevel=3,
             )
             return None
+        with contextlib.suppress(OSError):  # (a bad descriptor fails at the first write)
+            # A reader that falls behind must never stall training: a full pipe drops rows.
+            os.set_blocking(fd, False)
         return cls(fd, interval)
 
     def tick(self, snapshot: Snapshot) -> None:
@@ -134,6 +140,16 @@ class StatsExport:
     def write(self, message: dict[str, Any]) -> None:
         try:
             os.write(self.fd, (json.dumps(message) + "\n").encode())
+        except BlockingIOError:
+            # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
+            if not self.dropped:
+                warnings.warn(
+                    f"shmloader: the reader of {ENV_FD}={self.fd} is behind; statistics rows "
+                    "are dropped while its pipe is full",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            self.dropped += 1
         except OSError as e:
             self.interval = float("inf")
             self._next = float("inf")

@@ -125,19 +125,23 @@ class Packed:
         """Bytes of a slot that holds every leaf and the payload, laid out afresh."""
         return SlotWriter.size_of([leaf.nbytes for leaf in self.leaves] + [len(self.payload)])
 
+    def _in_slot(self, leaf: _Leaf) -> bool:
+        """Whether ``leaf`` reads the current slot: placed there, or a view of it that could not
+        be placed (a non-contiguous view of a ``shmloader.empty`` tensor, say)."""
+        return bool(leaf.nbytes) and (leaf.offset is not None or self.session.shares(leaf.obj))
+
     @property
     def reads_slot(self) -> bool:
         """Whether laying the batch out elsewhere reads leaves from the current slot (a planned
         batch is collated again from its samples: it reads nothing there)."""
-        return not self.session.planned and any(
-            leaf.offset is not None and leaf.nbytes for leaf in self.leaves
-        )
+        return not self.session.planned and any(self._in_slot(leaf) for leaf in self.leaves)
 
     def detach(self) -> None:
-        """Copy the leaves that live in the slot out of it, so the batch can be laid out again
-        in the same slot (a scratch buffer made it overflow, yet the batch fits)."""
+        """Copy every leaf that reads the slot out of it: before the batch is laid out again in
+        the same slot (a scratch buffer made it overflow, yet the batch fits), or before the
+        worker gives the slot up for a bigger one (the main process frees it at once)."""
         for leaf in self.leaves:
-            if leaf.offset is not None and leaf.nbytes:
+            if self._in_slot(leaf):
                 leaf.obj = leaf.obj.clone()
                 leaf.offset = None
 

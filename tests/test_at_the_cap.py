@@ -273,3 +273,61 @@ def test_a_dropped_loader_keeps_only_the_memory_of_the_batch_still_held():
         assert torch.equal(held, torch.zeros(4, 16 * 1024, dtype=torch.uint8))
     finally:
         os.close(fd)
+
+
+class Outgrowing(torch.utils.data.Dataset[Any]):
+    """Sample ``i``: ``(i, width)``; batch 3 carries a wide second leaf and outgrows its slot."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, (2500 if 12 <= i < 16 else 10)
+
+
+def transposed_collate(samples: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """Writes into the slot (``shmloader.empty``) and returns a transposed view of it: a leaf
+    that views the slot but cannot be placed where it lies (it is not contiguous)."""
+    n, wide = len(samples), max(w for _, w in samples)
+    a = shmloader.empty((n, 1000), dtype=torch.int32)
+    for r, (i, _) in enumerate(samples):
+        a[r] = torch.arange(1000, dtype=torch.int32) + i * 1000
+    b = shmloader.empty((n, wide), dtype=torch.int32)
+    b.fill_(7)
+    return a.t(), b, torch.tensor([i for i, _ in samples])
+
+
+@frees_its_loaders_on_failure
+def test_a_batch_that_outgrows_its_slot_takes_every_leaf_that_viewed_it_along():
+    # The worker copies the batch out of its slot before asking for a bigger one, and the main
+    # process frees (at the cap: hollows) the old slot at once. A leaf that views the slot
+    # without having been placed in it was left behind (review 9): batch 3 arrived all zeros.
+    loader = shmloader.DataLoader(
+        Outgrowing(), batch_size=4, num_workers=1, collate_fn=transposed_collate,
+        arena_max_bytes=80 * 1024, timeout=LOADER_TIMEOUT_S,
+    )  # fmt: skip
+    for k, (at, b, idx) in enumerate(loader):
+        want = torch.arange(1000, dtype=torch.int32)[None, :] + idx[:, None] * 1000
+        assert torch.equal(at.t(), want), f"batch {k}: {at.t()[0, :4].tolist()}"
+        assert bool((b == 7).all()), k
+
+
+@frees_its_loaders_on_failure
+def test_room_freed_by_spills_goes_to_a_batch_of_a_new_size():
+    # Batch 1 is bigger (a new size class) and starts only once batch 5 is being fetched, so the
+    # finished batches after it fill the arena; the slots their spills free are too small and
+    # must give their memory back for batch 1's class to fit (review 9: it raised, holding one).
+    order = [[0, 1, 2, 3], list(range(100, 116)), *[list(range(i, i + 4)) for i in (4, 8, 12, 16)]]
+    data = LateBatch(200, batch_size=4, width=1000, late=100, after=16)
+    loader = shmloader.DataLoader(
+        data, batch_sampler=order, num_workers=3, arena_max_bytes=6 * 16384,
+        timeout=LOADER_TIMEOUT_S,
+    )  # fmt: skip
+    got = []
+    for x, y in loader:  # the loop variable holds the previous batch
+        assert y.tolist() == order[len(got)]
+        assert torch.equal(x, torch.stack([torch.full((1000,), float(i)) for i in y.tolist()]))
+        got.append(loader.stats().batches_spilled)
+    assert len(got) == len(order)
+    assert max(got) > 0, "nothing was spilled: the scenario did not happen"
+    assert not data.waited_out.is_set(), "the forced ordering did not happen"

@@ -169,3 +169,18 @@ def test_memprof_sees_the_peak_of_a_script_that_keeps_its_batches(tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["arena"]["peak_batches_held"] == 24
+
+
+def test_a_reader_that_falls_behind_costs_rows_not_a_stalled_loop(pipe, monkeypatch):
+    # Nobody reads the pipe: once it is full, ticks must still return (review 9: the training
+    # loop and the export thread both blocked in os.write).
+    r, w = pipe
+    monkeypatch.setenv("SHMLOADER_STATS_FD", str(w))
+    monkeypatch.setenv("SHMLOADER_STATS_INTERVAL", "0")
+    export = StatsExport.from_environment()
+    assert export is not None
+    with pytest.warns(RuntimeWarning, match="is behind; statistics rows are dropped"):
+        for _ in range(20_000):  # ~1 MB of rows into a 64 KiB pipe
+            export.write({"kind": "arena", "pad": "x" * 40})
+    assert export.dropped > 0
+    assert Rows(r).next()["kind"] == "arena"  # what fitted is whole lines

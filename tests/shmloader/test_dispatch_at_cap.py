@@ -1,0 +1,68 @@
+"""Dispatch at the arena's cap, driven directly (a real arena, a fake supervisor): the batch
+needed next waits, rather than raise, while slots it could use are still coming back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import closing
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from arena import ArenaExhaustedError
+from arena._layout import PAGE
+from shmloader import protocol as P
+from shmloader.dispatch import Dispatch, Orphan
+from shmloader.host import ArenaHost
+
+
+class FakeSupervisor:
+    """Records what dispatch sends; its workers are alive."""
+
+    def __init__(self, workers: int) -> None:
+        self.sent: list[tuple[int, Any]] = []
+        self.procs = [SimpleNamespace(exitcode=None) for _ in range(workers)]
+
+    def send(self, wid: int, msg: Any) -> None:
+        self.sent.append((wid, msg))
+
+
+@pytest.fixture
+def host() -> Iterator[ArenaHost]:
+    h = ArenaHost(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4, pin=False, pin_device=None)
+    with closing(h):
+        yield h
+
+
+def blocked_head(host: ArenaHost) -> Dispatch:
+    """Every slot taken: three lent to the user; the head (task 0 of worker 0) asks for one."""
+    d = Dispatch(host, FakeSupervisor(2), num_workers=2, max_tasks=4, in_order=True)  # type: ignore[arg-type]
+    host.largest = PAGE
+    refs = [host.arena.acquire(PAGE) for _ in range(4)]
+    for ref in refs[:3]:
+        host.arena.mark_ready(ref)
+        host.arena.lend(ref)
+    head = d.tasks.add(0, None)
+    d.num_tasks[0] += 1
+    d.need(head, P.NeedSlot(head.seq, d.epoch, 0, PAGE, None))
+    d.last_ref = refs[3]  # type: ignore[attr-defined]
+    return d
+
+
+def test_the_head_waits_for_a_slot_an_abandoned_epochs_batch_still_writes(host):
+    d = blocked_head(host)
+    # The fourth slot belongs to a task of an abandoned epoch its worker still writes: its slot
+    # comes back when it answers (review 9: the head raised ArenaExhaustedError instead).
+    d.orphans[(d.epoch - 1, 5)] = Orphan(1, [d.last_ref], d.last_ref)  # type: ignore[attr-defined]
+    d.unblock(0, None)  # returns: the caller waits for frames
+    assert 0 in d.asked
+    d.orphan_answered(P.Dropped(5, d.epoch - 1, 1))  # it answers: its slot is free
+    d.offer()
+    assert 0 not in d.asked and d.tasks.get(0).ref is not None  # type: ignore[union-attr]
+
+
+def test_with_no_slot_coming_back_the_head_raises(host):
+    d = blocked_head(host)  # the fourth slot is taken by nothing that will ever answer
+    with pytest.raises(ArenaExhaustedError, match="no arena slot is free for the next batch"):
+        d.unblock(0, None)
