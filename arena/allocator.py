@@ -15,8 +15,8 @@ Invariants:
   (``past_cap``) for slots it holds but cannot use; other growth that would pass the cap does not
   happen.
 - Size classes: a request that fits no existing class creates the class
-  ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would pass
-  the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
+  ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would
+  take more than half the room left under the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
   fitting class, with as many slots as that class has already (at least ``slots_per_slab``;
   cut to the room under the cap), so a class grows geometrically; when not even one slot of
   that class fits under the cap, it creates the class ``page_align(n)`` instead. ``acquire``
@@ -239,7 +239,9 @@ class Arena:
                 size = need  # at the cap: a slab of just this size, if that still fits
         else:
             size = max(need, 2 * self._classes[-1]) if self._classes else need
-            if size > room:
+            if size > room // 2:
+                # Near the cap a doubled class would hold a batch of ``need`` in up to twice the
+                # room it needs, and leave too little for the next: exactly this size instead.
                 size = need
         # Another slab of a busy class doubles the class (at least slots_per_slab): a user who
         # holds n batches costs O(log n) slabs, and so O(log n) descriptors, not n.

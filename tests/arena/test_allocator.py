@@ -531,3 +531,13 @@ def test_a_closed_arena_keeps_only_the_memory_of_slots_still_viewed():
         check_books(arena)
     finally:
         os.close(fd)
+
+
+def test_near_the_cap_a_new_class_is_the_request_not_a_doubling():
+    # A doubled class (4 pages for a 3-page batch) would take more than half the room left
+    # (6 pages) and hold the batch in room the next one needs (review 9: a loop over growing
+    # batches failed with far less than the cap held).
+    with closing(Arena(backend="memfd", max_bytes=8 * PAGE, slots_per_slab=1)) as arena:
+        acquire(arena, 2 * PAGE)
+        big = acquire(arena, 3 * PAGE)
+        assert arena.slot_size(big) == 3 * PAGE
