@@ -14,13 +14,13 @@ Invariants:
 - ``bytes_reserved <= max_bytes``, except by an allowance the owner passes to :meth:`Arena.acquire`
   (``past_cap``) for slots it holds but cannot use; other growth that would pass the cap does not
   happen.
-- Size classes: a request that fits no existing class creates the class
-  ``max(page_align(n), 2 * largest_class)`` (at least doubling, like DALI) or, if that would
-  take more than half the room left under the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the smallest
-  fitting class, with as many slots as that class has already (at least ``slots_per_slab``;
-  cut to the room under the cap), so a class grows geometrically; when not even one slot of
-  that class fits under the cap, it creates the class ``page_align(n)`` instead. ``acquire``
-  always prefers the smallest class that fits.
+- Size classes: a request that fits no existing class creates the class ``max(page_align(n), 2 *
+  largest_class)`` (at least doubling, like DALI) or, if that would take more than half the room
+  left under the cap, ``page_align(n)``; a request whose classes are all busy adds a slab of the
+  smallest fitting class, with as many slots as that class has already (at least
+  ``slots_per_slab``; cut to the room under the cap), so a class grows geometrically; when not
+  even one slot of that class fits under the cap, it creates the class ``page_align(n)`` instead.
+  ``acquire`` always prefers the smallest class that fits.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
 - A FREE slot can be *hollowed* (``hollow``): its pages go back to the system (``MADV_REMOVE``)
