@@ -142,7 +142,9 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _map(fd: int, size: int, populate: bool = True) -> ctypes.Array[ctypes.c_char]:
+def _map(
+    fd: int, size: int, populate: bool = True, prot: int = mmap.PROT_READ | mmap.PROT_WRITE
+) -> ctypes.Array[ctypes.c_char]:
     """Map ``size`` bytes of ``fd`` shared (pre-faulted with ``populate``), as a ctypes array
     that unmaps itself when the last object referring to it (every view made from it does) is
     gone.
@@ -151,7 +153,7 @@ def _map(fd: int, size: int, populate: bool = True) -> ctypes.Array[ctypes.c_cha
     Python 3.13's ``trackfd``): one descriptor per slab in every process. The kernel needs none
     once the mapping exists, so this maps through libc instead."""
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    addr = _libc.mmap(None, size, prot, flags, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
@@ -169,13 +171,16 @@ def map_readonly(fd: int, size: int) -> memoryview:
     unmaps itself when the last object referring to it is gone. Unlike ``mmap.mmap`` (before
     Python 3.13), it keeps no duplicate of ``fd``: a caller that keeps ``fd`` holds one
     descriptor per file, not two."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
-    array = (ctypes.c_char * size).from_address(addr)
-    weakref.finalize(array, _libc.munmap, addr, size).atexit = False  # as in _map
-    return memoryview(array).cast("B")
+    return memoryview(_map(fd, size, populate=False, prot=mmap.PROT_READ)).cast("B")
+
+
+def reopen_descriptor(owner_pid: int, fd: int, flags: int) -> int:
+    """A new descriptor of the file that process ``owner_pid``'s descriptor ``fd`` names (a
+    ``dup`` in that process itself; else through ``/proc/<owner_pid>/fd/<fd>``), close-on-exec.
+    Raises ``OSError`` when it cannot be reached."""
+    if owner_pid == os.getpid():
+        return os.dup(fd)  # (not inheritable)
+    return os.open(f"/proc/{owner_pid}/fd/{fd}", flags | os.O_CLOEXEC)
 
 
 _MAP_FIXED = 0x10  # Linux; the mmap module does not export it
@@ -350,18 +355,15 @@ class Segment:
         """Map the owner's segment into this process (any start method, any time). Without
         ``populate`` nothing is faulted in now (:meth:`populate` does it range by range):
         faulting in a range the owner hollowed would fill it again."""
-        if spec.owner_pid == os.getpid():
-            fd = os.dup(spec.fd)
-        else:
-            try:
-                fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.fd}", os.O_RDWR | os.O_CLOEXEC)
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"cannot attach shared-memory segment fd {spec.fd} of process "
-                    f"{spec.owner_pid} through /proc: {os.strerror(e.errno or 0)}; the owner "
-                    "may have exited, or /proc is not readable in this container",
-                ) from None
+        try:
+            fd = reopen_descriptor(spec.owner_pid, spec.fd, os.O_RDWR)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot attach shared-memory segment fd {spec.fd} of process "
+                f"{spec.owner_pid} through /proc: {os.strerror(e.errno or 0)}; the owner "
+                "may have exited, or /proc is not readable in this container",
+            ) from None
         try:
             return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd, populate)
         except BaseException:

@@ -197,11 +197,16 @@ class Dispatch:
 
     def drop(self, seq: int) -> None:
         """Forget a task that will never be answered; its slots go back."""
-        info = self.tasks.pop(seq)
-        self.unsent.pop(seq, None)
-        self.wanting.pop(seq, None)
-        self.asked.discard(seq)
+        self._unbind(self.tasks.pop(seq))
+
+    def _unbind(self, info: TaskInfo[Answer]) -> None:
+        """Task ``info`` will be neither sent nor answered: it waits for no slot, and its slot
+        goes back."""
+        self.unsent.pop(info.seq, None)
+        self.wanting.pop(info.seq, None)
+        self.asked.discard(info.seq)
         self.release(info.slots())
+        info.ref = None
 
     def retire(self, wid: int, info: TaskInfo[Answer]) -> None:
         """Worker ``wid`` answered task ``info`` with EXHAUSTED: its replica ended, so torch marks
@@ -211,14 +216,10 @@ class Dispatch:
         self.drop(info.seq)
         self.status[wid] = False
         for later in [i for i in self.tasks if i.worker_id == wid and i.answer is None]:
-            if not self.in_order:
+            if self.in_order:
+                self._unbind(later)
+            else:
                 self.drop(later.seq)
-                continue
-            self.unsent.pop(later.seq, None)
-            self.wanting.pop(later.seq, None)
-            self.asked.discard(later.seq)
-            self.release(later.slots())
-            later.ref = None
 
     def release(self, slots: list[SlotRef]) -> None:
         for ref in slots:
@@ -407,17 +408,12 @@ class Dispatch:
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
-        for step in ("drain", "grow", "give back", "collect", "spill"):
+        for step in ("drain", "grow", "give back", "collect"):
             if step == "give back":
                 self._revoke_unstarted()
-                self._give_back_idle()
-                self.arena.hollow()  # free slots beside held ones stop counting against the cap
+                self._make_room()
             elif step == "collect":
                 gc.collect()
-            elif step == "spill":
-                if self._spill_after(info, nbytes):
-                    return
-                break
             # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
             for free in (leases.drain, lambda: self._settle(deadline)):
                 if free():
@@ -426,12 +422,7 @@ class Dispatch:
                         return
             if step != "drain" and self._grow_for(info, nbytes):
                 return
-        if any(
-            i.ref is not None and i.answer is None and self.status[i.worker_id]
-            for i in self.tasks
-        ) or any(o.slots for o in self.orphans.values()):
-            # Later batches being written: spilled once they are finished; or batches of an
-            # abandoned epoch: their slots come back when their workers answer.
+        if self._spill_after(info, nbytes) or self._slots_coming_back():
             return
         if seq in self.unsent and seq not in self.asked:
             # Its size was only a guess (the largest batch so far): let its worker measure it
@@ -463,15 +454,25 @@ class Dispatch:
             if ref is not None:
                 self._give(info, ref)
                 return True
-            self._give_back_idle()
-            self.arena.hollow()
+            self._make_room()
             if self._grow_for(info, nbytes):
                 return True
         return False
 
-    def _give_back_idle(self) -> None:
+    def _make_room(self) -> None:
+        """At the cap: give back idle slabs, and hollow free slots beside held ones (neither
+        then counts against the cap)."""
         for slab_id in self.arena.give_back_idle():
             self._forget_slab(slab_id)
+        self.arena.hollow()
+
+    def _slots_coming_back(self) -> bool:
+        """Whether slots will come back without the user: later batches being written (spilled
+        once finished), or batches of an abandoned epoch (freed when their workers answer)."""
+        return any(
+            i.ref is not None and i.answer is None and self.status[i.worker_id]
+            for i in self.tasks
+        ) or any(o.slots for o in self.orphans.values())
 
     def _settle(self, deadline: float | None) -> int:
         """Wait for the GPU to pass the copies queued from every slot the copy fence holds, and

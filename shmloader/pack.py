@@ -130,16 +130,13 @@ class Packed:
         be placed (a non-contiguous view of a ``shmloader.empty`` tensor, say)."""
         return bool(leaf.nbytes) and (leaf.offset is not None or self.session.shares(leaf.obj))
 
-    @property
-    def reads_slot(self) -> bool:
-        """Whether laying the batch out elsewhere reads leaves from the current slot (a planned
-        batch is collated again from its samples: it reads nothing there)."""
-        return not self.session.planned and any(self._in_slot(leaf) for leaf in self.leaves)
-
     def detach(self) -> None:
         """Copy every leaf that reads the slot out of it: before the batch is laid out again in
         the same slot (a scratch buffer made it overflow, yet the batch fits), or before the
-        worker gives the slot up for a bigger one (the main process frees it at once)."""
+        worker gives the slot up for a bigger one (the main process frees it at once). A planned
+        batch is collated again from its samples: nothing of it is needed from the slot."""
+        if self.session.planned:
+            return
         for leaf in self.leaves:
             if self._in_slot(leaf):
                 leaf.obj = leaf.obj.clone()

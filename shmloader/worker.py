@@ -395,8 +395,7 @@ class _Worker:
                 # No slot yet, or too small: ask, then lay the batch out in the slot granted.
                 # Leaves already in the old slot are copied out first, so the main process can
                 # free that slot at once: at the arena's cap it may be the room this batch needs.
-                if packed.reads_slot:
-                    packed.detach()
+                packed.detach()
                 self.send(P.NeedSlot(task.seq, task.epoch, wid, packed.needed, ref))
                 granted = self.wait_grant(task.epoch, task.seq)
                 if granted is None:

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from arena.segment import map_readonly
+from arena.segment import map_readonly, reopen_descriptor
 from shmloader.arrow.errors import ArrowSourceError
 
 FILE_MAGIC: Final = b"ARROW1"
@@ -115,11 +115,7 @@ def _reopen(spec: ShardSpec) -> tuple[int, str]:
     if spec.owner_pid > 0 and spec.fd >= 0:
         fd = -1
         try:
-            if spec.owner_pid == os.getpid():
-                fd = os.dup(spec.fd)
-                os.set_inheritable(fd, False)
-            else:
-                fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            fd = reopen_descriptor(spec.owner_pid, spec.fd, os.O_RDONLY)
         except OSError as exc:
             how = (f"its path (/proc/{spec.owner_pid}/fd/{spec.fd} of the process that opened it: "
                    f"{os.strerror(exc.errno or 0)})")
