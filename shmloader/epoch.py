@@ -96,6 +96,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         self._leases = host.leases
         self._pid = os.getpid()
         self._sup, self._progress = start_workers(self, loader, plan, self._pid)
+        host.rng_rings.add(self._progress.ring)
         self._workers = self._sup.procs  # torch's name: pid, exitcode, is_alive(), join()
         max_tasks = (loader.prefetch_factor or 2) * nw
         self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order)

@@ -32,6 +32,7 @@ from shmloader.export import StatsExport
 from shmloader.fence import CopyFence, cuda_events
 from shmloader.lease import Leases
 from shmloader.pin import Pinner
+from shmloader.rngstate import RngRing
 from shmloader.stats import LoaderStats
 
 
@@ -59,6 +60,9 @@ class ArenaHost:
         afterfork.track(self.leases)  # a child forked while batches are held keeps them
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
+        # The RNG snapshot rings of the iterators that borrow this host (each closes with its
+        # iterator): reported in stats, as every byte the loader holds is.
+        self.rng_rings: weakref.WeakSet[RngRing] = weakref.WeakSet()
         self.export = StatsExport.from_environment()  # None unless a profiler asked
         self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, leases)
 
@@ -78,10 +82,11 @@ class ArenaHost:
             arena = self.arena.stats()
             kept, kept_bytes = leases.kept, leases.kept_bytes
             spilled = leases.spilled()
+        rings = sum(r.nbytes for r in list(self.rng_rings) if r.open)
         return LoaderStats(
             arena, held, self.pinner.pinned_bytes, self.worker_pids,
             slots_kept=kept, bytes_kept=kept_bytes,
-            batches_spilled=len(spilled), bytes_spilled=sum(spilled),
+            batches_spilled=len(spilled), bytes_spilled=sum(spilled), bytes_rng_rings=rings,
         )  # fmt: skip
 
     def close(self) -> None:

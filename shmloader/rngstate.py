@@ -176,6 +176,7 @@ class RngRing:
     def __init__(self, slab: Slab, depth: int) -> None:
         self.slab = slab
         self.depth = depth
+        self.open = True  # False once closed (stats count only open rings)
         self._count = 0  # publisher side: snapshots written by this worker
 
     @classmethod
@@ -208,5 +209,11 @@ class RngRing:
             f"longer in its ring of {self.depth} entries: a bug in shmloader, please report it"
         )
 
+    @property
+    def nbytes(self) -> int:
+        """The ring's shared memory, in bytes (whole pages)."""
+        return self.slab.size
+
     def close(self) -> None:
+        self.open = False
         self.slab.close()

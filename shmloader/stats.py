@@ -50,6 +50,10 @@ class LoaderStats:
       main process's own memory, alive now (waiting their turn, or held by you). At the cap, when
       the batch needed next finds every slot taken by batches after it, those are copied out
       rather than fail the loop; outside the arena, they do not count against its cap.
+    - ``bytes_rng_rings``: shared memory (memfd) of the RNG snapshot rings of the loader's live
+      multi-worker iterators, where workers publish their generators' states for
+      ``state_dict()`` (:mod:`shmloader.rngstate`): ``num_workers * (prefetch_factor + 4)``
+      entries of 12 KiB each per iterator; outside the arena and its cap.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or
@@ -80,6 +84,7 @@ class LoaderStats:
     bytes_kept: int = 0
     batches_spilled: int = 0
     bytes_spilled: int = 0
+    bytes_rng_rings: int = 0
 
     @property
     def backend(self) -> str:
@@ -161,6 +166,7 @@ class LoaderStats:
         row["bytes_kept"] = self.bytes_kept
         row["batches_spilled"] = self.batches_spilled
         row["bytes_spilled"] = self.bytes_spilled
+        row["bytes_rng_rings"] = self.bytes_rng_rings
         return row
 
 

@@ -1,6 +1,7 @@
 """``loader.stats()``: one well-defined record at every moment, every field documented."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ STATES = {s.name.lower() for s in SlotState}
 ARENA_FIELDS = [*(f.name for f in dataclasses.fields(ArenaStats)), "slots_free", "bytes_in_use"]
 LOADER_FIELDS = [
     "arena", "batches_held", "pinned_bytes", "worker_pids", "slots_kept", "bytes_kept",
-    "batches_spilled", "bytes_spilled",
+    "batches_spilled", "bytes_spilled", "bytes_rng_rings",
 ]
 
 
@@ -81,3 +82,36 @@ def test_the_record_without_an_arena_cannot_be_changed_through_its_mappings():
     with pytest.raises(TypeError):
         st.slots_by_state["free"] = 1  # type: ignore[index]
     assert no_arena(4096).slots_free == 0
+
+
+def _memfd_bytes() -> int:
+    """The sizes of the memfds this process has open (the arena's slabs here are not memfds)."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                total += os.fstat(int(fd)).st_size
+        except OSError:
+            continue  # the directory's own descriptor, closed by now
+    return total
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_the_rng_rings_of_live_iterators_are_counted_until_they_close(persistent):
+    loader = shmloader.DataLoader(
+        Rows(), batch_size=4, num_workers=2, prefetch_factor=3, arena_backend="posix",
+        persistent_workers=persistent,
+    )  # fmt: skip
+    before = _memfd_bytes()
+    assert loader.stats().bytes_rng_rings == 0
+    it = iter(loader)
+    one_ring = 2 * (3 + 4) * 12288  # two workers, prefetch_factor + 4 entries of three pages each
+    assert loader.stats().bytes_rng_rings == one_ring == _memfd_bytes() - before
+    second = iter(loader)  # persistent: the same iterator again; otherwise a second one
+    rings = one_ring if persistent else 2 * one_ring
+    assert loader.stats().bytes_rng_rings == rings == _memfd_bytes() - before
+    assert loader.stats().as_row()["bytes_rng_rings"] == rings
+    list(second)
+    del it, second
+    left = one_ring if persistent else 0  # persistent workers live as long as the loader
+    assert loader.stats().bytes_rng_rings == left == _memfd_bytes() - before
