@@ -40,12 +40,12 @@ import os
 import resource
 import secrets
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 
 import posix_ipc
 
+from arena import userwarn
 from arena.errors import ArenaCapacityError, ArenaDescriptorError
 
 SHM_DIR = "/dev/shm"
@@ -236,12 +236,11 @@ def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
         return Backend.POSIX
     if not _warned_fallback.is_set():
         _warned_fallback.set()
-        warnings.warn(
+        userwarn.warn(
             f"/dev/shm has {shm_free_bytes():,} bytes free, fewer than the {nbytes:,} requested; "
             "shmloader falls back to anonymous memfd shared memory, which is bounded by RAM, not "
             "by the /dev/shm mount. Pass arena_backend='memfd' to silence this warning.",
             UserWarning,
-            stacklevel=3,
         )
     return Backend.MEMFD
 

@@ -17,11 +17,13 @@ would leave the process without file descriptors: ``ulimit -n``), :class:`StaleS
 released twice).
 """
 
+import os
 from typing import Any
 
 import torch.utils.data
 from torch.utils.data import get_worker_info
 
+from arena import userwarn
 from arena.errors import (
     ArenaCapacityError,
     ArenaDescriptorError,
@@ -33,6 +35,11 @@ from shmloader.collate import empty
 from shmloader.loader import DataLoader
 from shmloader.prefetch import DevicePrefetcher
 from shmloader.stats import LoaderStats
+
+# Our warnings name the user's line: skip this package's frames and those of torch's DataLoader
+# machinery (the ``__next__`` and ``__iter__`` a loop goes through).
+userwarn.internal(os.path.dirname(os.path.abspath(__file__)))
+userwarn.internal(os.path.dirname(os.path.abspath(torch.utils.data.__file__)))
 
 
 def release(batch: Any, loader: DataLoader[Any]) -> int:

@@ -43,12 +43,11 @@ import contextlib
 import os
 import select
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from arena import privatize
+from arena import privatize, userwarn
 
 if TYPE_CHECKING:
     from shmloader.lease import Leases
@@ -185,11 +184,10 @@ def _in_parent() -> None:
 
 
 def _warn(what: str) -> None:
-    warnings.warn(
+    userwarn.warn(
         f"a process forked while batches were held {what}; once you drop those batches, it may "
         "see later batches in their place. Drop or .clone() batches before forking.",
         RuntimeWarning,
-        stacklevel=3,
     )
 
 

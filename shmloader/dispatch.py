@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from arena import ArenaCapacityError, ArenaExhaustedError, SlotRef
+from arena import ArenaCapacityError, ArenaExhaustedError, SlotRef, userwarn
 from arena._layout import page_align
 from shmloader import protocol as P
 from shmloader.host import ArenaHost
@@ -486,7 +485,7 @@ class Dispatch:
                 break
             n += leases.settle(left)
             if leases.fence and time.monotonic() - since >= FENCE_WARN_S:
-                warnings.warn(fence_stuck(leases, time.monotonic() - since), RuntimeWarning, 2)
+                userwarn.warn(fence_stuck(leases, time.monotonic() - since), RuntimeWarning)
         return n
 
     def gpu_wait(self, waited: float) -> str:

@@ -34,11 +34,11 @@ import json
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from arena import userwarn
 from shmloader.stats import LoaderStats
 
 ENV_FD = "SHMLOADER_STATS_FD"
@@ -72,11 +72,10 @@ class StatsExport:
         try:
             fd, interval = int(text), float(os.environ.get(ENV_INTERVAL, "0.1"))
         except ValueError:
-            warnings.warn(
+            userwarn.warn(
                 f"{ENV_FD}={text!r} / {ENV_INTERVAL}={os.environ.get(ENV_INTERVAL)!r} are not "
                 "numbers; shmloader exports no statistics",
                 RuntimeWarning,
-                stacklevel=3,
             )
             return None
         with contextlib.suppress(OSError):  # (a bad descriptor fails at the first write)
@@ -143,20 +142,18 @@ class StatsExport:
         except BlockingIOError:
             # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
             if not self.dropped:
-                warnings.warn(
+                userwarn.warn(
                     f"shmloader: the reader of {ENV_FD}={self.fd} is behind; statistics rows "
                     "are dropped while its pipe is full",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
             self.dropped += 1
         except OSError as e:
             self.interval = float("inf")
             self._next = float("inf")
-            warnings.warn(
+            userwarn.warn(
                 f"shmloader stops exporting statistics to fd {self.fd} ({ENV_FD}): {e}",
                 RuntimeWarning,
-                stacklevel=2,
             )
 
 
@@ -181,10 +178,9 @@ def _repeat(
         try:
             export._due(snapshot)
         except Exception as e:  # noqa: BLE001 - stats() failed: stop this thread, keep the job
-            warnings.warn(
+            userwarn.warn(
                 f"shmloader stops exporting statistics between batches: {e!r}",
                 RuntimeWarning,
-                stacklevel=1,
             )
             return
         del export, snapshot

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 import weakref
 
-from arena import Arena, Backend
+from arena import Arena, Backend, userwarn
 from shmloader import afterfork
 from shmloader.export import StatsExport
 from shmloader.fence import CopyFence, cuda_events
@@ -115,12 +114,11 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
                 stuck = bool(fence)
         if stuck and fence is not None:
             # Unlocking slabs the GPU still reads could fault its copies: leave them locked.
-            warnings.warn(
+            userwarn.warn(
                 f"shmloader: the GPU has not passed copies queued from {fence.held} page-locked "
                 f"arena slots after {CLOSE_SETTLE_S:.0f} s; the loader closes its arena but "
                 "leaves its slabs page-locked until the process exits",
                 RuntimeWarning,
-                stacklevel=2,
             )
         else:
             pinner.close()

@@ -17,13 +17,12 @@ Invariants:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from arena import Slab
+from arena import Slab, userwarn
 from shmloader._torch_compat import pin_memory
 
 # cudaHostRegisterDefault; a slab is registered in chunks of at most this many bytes, since some
@@ -87,12 +86,11 @@ class Pinner:
             for ptr in done:
                 registrar.unregister(ptr)
             self.fallback = True
-            warnings.warn(
+            userwarn.warn(
                 f"shmloader could not page-lock a {slab.size:,}-byte arena slab ({e}); it falls "
                 "back to copying each batch into pinned memory, as torch's DataLoader does. "
                 "Raise the locked-memory limit (ulimit -l) to pin the arena in place.",
                 RuntimeWarning,
-                stacklevel=2,
             )
             return
         self._chunks[slab.slab_id] = (done, slab.size)

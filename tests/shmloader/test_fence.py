@@ -5,6 +5,7 @@ complete when the test says so; the real-GPU test at the end skips without a dev
 from __future__ import annotations
 
 import gc
+import linecache
 import re
 import warnings
 
@@ -176,9 +177,12 @@ def test_without_a_timeout_the_loader_waits_for_a_slow_gpu_and_says_so(monkeypat
     events = FakeEvents()
     loader = _fenced_loader_of_four_slots(monkeypatch, events, timeout=0)
     events.stuck_waits = 3  # three waits of FENCE_WARN_S time out before the GPU passes
-    with pytest.warns(RuntimeWarning, match=r"waited \d+\.\d s for a slot while \d+ slots"):
+    with pytest.warns(RuntimeWarning, match=r"waited \d+\.\d s for a slot while \d+ slots") as got:
         labels = [y.tolist() for _, y in loader]
     assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    # it names the user's loop, not shmloader's or torch's frames under it
+    assert {(w.filename, w.lineno) for w in got} == {(__file__, got[0].lineno)}
+    assert "labels = [y.tolist()" in linecache.getline(__file__, got[0].lineno)
     assert events.stuck_waits == 0
 
 

@@ -42,8 +42,9 @@ def test_large_slabs_are_registered_in_chunks(arena, monkeypatch):
 
 def test_a_failed_registration_falls_back_to_copying_with_one_warning(arena):
     pinner = Pinner(True, "cuda", FakeRegistrar(fail=True))
-    with pytest.warns(RuntimeWarning, match="could not page-lock.*ulimit -l"):
+    with pytest.warns(RuntimeWarning, match="could not page-lock.*ulimit -l") as got:
         pinner.register(_new_slab(arena, 1 << 16))
+    assert [w.filename for w in got] == [__file__]  # the caller's line, not shmloader's
     assert pinner.fallback and pinner.pinned_bytes == 0
     pinner.register(_new_slab(arena, 1 << 20))  # no second warning, no second attempt
     pinner.close()
