@@ -8,6 +8,7 @@ error). A spy on ``shmloader.stacking.gather`` says which path ran."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -153,37 +154,45 @@ def test_only_a_stacked_leaf_of_stream_min_bytes_or_more_streams(arena, monkeypa
     assert torch.equal(at[0][-1], torch.stack(batch(limit // 4)))
 
 
-def _import_mode(value: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != stacking.ENV}
+MODES_AT_IMPORT = {None: "auto True None", "auto": "auto True None", " Auto ": "auto True None",
+                   "1": "1 True True", "0": "0 False None"}  # fmt: skip
+# One fresh interpreter imports the module once per value (the setting is read at import).
+_IMPORT_EACH = """
+import importlib, json, os, sys
+seen = {}
+for value in json.loads(sys.argv[1]):
+    os.environ.pop(ENV := "SHMLOADER_STREAMING", None)
     if value is not None:
-        env[stacking.ENV] = value
-    code = "from shmloader import stacking as s; print(s.MODE, s.STREAMING, s.choice().decided)"
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
+        os.environ[ENV] = value
+    sys.modules.pop("shmloader.stacking", None)
+    try:
+        s = importlib.import_module("shmloader.stacking")
+        seen[repr(value)] = f"{s.MODE} {s.STREAMING} {s.choice().decided}"
+    except ValueError as e:
+        seen[repr(value)] = f"ValueError: {e}"
+print(json.dumps(seen))
+"""
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        (None, "auto True None"),
-        ("auto", "auto True None"),
-        (" Auto ", "auto True None"),
-        ("1", "1 True True"),
-        ("0", "0 False None"),
-    ],
-)
-def test_shmloader_streaming_says_auto_always_or_never(value, expected):
-    done = _import_mode(value)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == expected
+@pytest.fixture(scope="module")
+def modes_at_import() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != stacking.ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, json.dumps([*MODES_AT_IMPORT, "yes"])],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def test_an_unknown_shmloader_streaming_value_names_the_values_it_takes():
-    done = _import_mode("yes")
-    assert done.returncode != 0
-    assert "SHMLOADER_STREAMING='yes': expected 'auto'" in done.stderr
-    assert "'1' (always stream large leaves) or '0' (never)" in done.stderr
+@pytest.mark.parametrize(("value", "expected"), list(MODES_AT_IMPORT.items()))
+def test_shmloader_streaming_says_auto_always_or_never(modes_at_import, value, expected):
+    assert modes_at_import[repr(value)] == expected
+
+
+def test_an_unknown_shmloader_streaming_value_names_the_values_it_takes(modes_at_import):
+    said = modes_at_import[repr("yes")]
+    assert said.startswith("ValueError: SHMLOADER_STREAMING='yes': expected 'auto'")
+    assert "'1' (always stream large leaves) or '0' (never)" in said
 
 
 def _measured(stack_ns: list[int], stream_ns: list[int]) -> CopyChoice:
