@@ -350,13 +350,28 @@ class Dispatch:
         self.sup.send(info.worker_id, P.Grant(info.seq, self.epoch, ref))
 
     def _deny(self, info: TaskInfo[Answer], exc: ArenaCapacityError) -> None:
-        """The batch can never fit: DENY it. The worker answers DROPPED once it has published
-        the RNG state after that batch, and the task then fails with ``exc`` (:meth:`answer`)."""
+        """The batch cannot get a slot (larger than the cap, or the arena cannot reserve a slab:
+        ``/dev/shm`` or RAM is full). A batch whose worker asked for its size is DENIED: the
+        worker answers DROPPED once it has published the RNG state after that batch, and the
+        task then fails with ``exc`` (:meth:`answer`). A decided task not yet sent had only the
+        largest size seen: it is sent without a slot (when it is its worker's next, so each
+        worker still gets its tasks in sampler order), its worker fetches it as torch's would
+        and asks for exactly its size, which then fits or is denied."""
         self.wanting.pop(info.seq, None)
         if info.seq in self.asked:
             self.asked.discard(info.seq)
             self.denied[info.seq] = exc
             self.sup.send(info.worker_id, P.Deny(info.seq, self.epoch))
+        elif info.seq in self.unsent and not any(
+            seq < info.seq and self.tasks.get(seq).worker_id == info.worker_id  # type: ignore[union-attr]
+            for seq in self.unsent
+        ):
+            self._measure(info)
+
+    def _measure(self, info: TaskInfo[Answer]) -> None:
+        """Send the decided task ``info`` without a slot: its worker sizes the batch and asks."""
+        index = self.unsent.pop(info.seq)
+        self.sup.send(info.worker_id, P.Task(info.seq, self.epoch, None, index))
 
     def _acquire(self, nbytes: int, grow: bool) -> SlotRef | None:
         # Slots kept for workers forked while their batches were held do not count against the
@@ -426,7 +441,7 @@ class Dispatch:
         if seq in self.unsent and seq not in self.asked:
             # Its size was only a guess (the largest batch so far): let its worker measure it
             # and ask for exactly what it needs, which may well fit.
-            self.sup.send(info.worker_id, P.Task(seq, self.epoch, None, self.unsent.pop(seq)))
+            self._measure(info)
             return
         if leases.fence:
             return  # the deadline passed while the GPU still reads held slots: the caller's fires
