@@ -31,8 +31,13 @@ Invariants:
   needed next takes back room from every batch after it: tasks not yet started (queued behind a
   task their worker waits a slot for) give their slots back (REVOKE); finished later batches are
   copied out of their slots into the main process's memory (*spilled*, counted in ``stats()``);
-  and it waits for later batches still being written to finish, then spills them too. So the error
-  comes only when what the user holds (and slots kept for forked workers) leaves no room.
+  and it waits for later batches still being written to finish, then spills them too; the
+  finished batches of the loader's other live iterators are spilled as well (their batches in
+  flight are not waited for: nobody reads their workers' answers meanwhile, so the error counts
+  them). So the error comes only when what the user holds (and slots kept for forked workers,
+  and another live iterator's batches in flight) leaves no room.
+- A slab the arena gives back is detached from the workers of every live iterator that
+  attached it (:meth:`_forget_slab`), so no worker keeps memory the arena no longer counts.
 - Every slot a task holds is named once (``ref``) and released exactly once: with the batch's
   lease, when it is spilled, when its task fails or is skipped, when its answer belongs to an
   abandoned epoch (``orphans``), when its worker's replica ended before it, or at teardown.
@@ -113,7 +118,8 @@ class Dispatch:
         self.num_tasks = [0] * num_workers
         self._next_worker = 0
         self._forced: deque[int] = deque()  # workers of a resumed epoch's first tasks
-        self._known_slabs: set[int] = set()
+        self._known_slabs: set[int] = set()  # slabs this iterator's workers were told to attach
+        host.dispatches.add(self)
 
     # -- epochs ---------------------------------------------------------------------------------
 
@@ -450,11 +456,15 @@ class Dispatch:
     def _spill_after(self, info: TaskInfo[Answer], nbytes: int) -> bool:
         """Copy finished batches after ``info`` out of their slots, one at a time, until
         ``info`` gets a slot of ``nbytes``: those whose slot fits it first (one copy frees the
-        room), the latest first. Whether it got one. (Only with ``in_order=True``: otherwise a
-        finished batch is yielded before anything waits.)"""
+        room), the latest first; then those of the loader's other live iterators. Whether it
+        got one. (This iterator's own only with ``in_order=True``: otherwise a finished batch
+        is yielded before anything waits.)"""
         size = self.arena.slot_size
         later = [i for i in self.tasks if i.seq > info.seq and type(i.answer) is P.Ready]
         later.sort(key=lambda i: (size(i.answer.ref) >= nbytes, i.seq), reverse=True)  # type: ignore[union-attr]
+        # Then the finished batches another live iterator of the loader prefetched: the user
+        # is not iterating it now (they wait, spilled, for its next()).
+        later += [i for d in self._others() for i in d.ready_tasks()]
         for victim in later:
             ready = victim.answer
             assert type(ready) is P.Ready
@@ -525,12 +535,30 @@ class Dispatch:
             self.sup.send(info.worker_id, P.Revoke(info.seq, self.epoch))
 
     def _forget_slab(self, slab_id: int) -> None:
-        self._known_slabs.discard(slab_id)
+        """The arena gave slab ``slab_id`` back: every live iterator's workers unmap it (each
+        iterator that used it told its own workers to attach it)."""
         self.host.pinner.unregister(slab_id)
         self.host.leases.forget_slab(slab_id)
+        for d in list(self.host.dispatches):
+            d._detach(slab_id)
+
+    def _detach(self, slab_id: int) -> None:
+        if slab_id not in self._known_slabs:
+            return
+        self._known_slabs.discard(slab_id)
+        if self.sup.stopped:
+            return  # its workers are gone or going, and unmap everything as they exit
         for wid in range(self.num_workers):
             if self.sup.procs[wid].exitcode is None:
                 self.sup.send(wid, P.Detach(slab_id))
+
+    def _others(self) -> list[Dispatch]:
+        """The dispatchers of the host's other live iterators."""
+        return [d for d in list(self.host.dispatches) if d is not self and not d.sup.stopped]
+
+    def ready_tasks(self) -> list[TaskInfo[Answer]]:
+        """Tasks whose batch is finished in a slot and not yet yielded."""
+        return [i for i in [*self.arrived, *self.tasks] if type(i.answer) is P.Ready]
 
     def _exhausted(self, seq: int, nbytes: int) -> ArenaExhaustedError:
         st, leases = self.arena.stats(), self.host.leases
@@ -545,11 +573,22 @@ class Dispatch:
             if free
             else ""
         )
+        others = [i for d in self._others() for i in [*d.tasks, *d.arrived] if i.ref is not None]
+        other_bytes = sum(self.arena.slot_size(i.ref) for i in others if i.ref is not None)
+        elsewhere = (
+            f"; another live iterator of this loader holds {len(others)} slots "
+            f"({other_bytes:,} bytes) for batches it prefetched (finish it, or drop it)"
+            if others
+            else ""
+        )
+        mine = [i for i in [*self.tasks, *self.arrived] if i.ref is not None]
+        ready = sum(1 for i in mine if type(i.answer) is P.Ready)
+        writing = len(mine) - ready + sum(len(o.slots) for o in self.orphans.values())
         return ArenaExhaustedError(
             f"no arena slot is free for the next batch: the user holds {len(held)} batches "
             f"({held_bytes:,} bytes){self._kept()}, "
-            f"{st.slots_by_state.get('ready', 0)} finished batches wait to be yielded and "
-            f"{st.slots_by_state.get('writing', 0)} are being written, and the arena is at its "
+            f"{ready} finished batches wait to be yielded and {writing} are being "
+            f"written{elsewhere}, and the arena is at its "
             f"cap of {st.max_bytes:,} bytes ({st.slots_total} slots){stuck}; "
             f"{st.bytes_reserved:,} bytes are reserved and the next batch needs {nbytes:,}. "
             "Drop references to old batches, copy what you keep with .clone(), release them "

@@ -11,7 +11,10 @@ Invariants:
   used in another process (after ``os.fork()``, or unpickled elsewhere) makes its own host there
   and never hands out the other process's slots; an inherited host's teardown does nothing.
 - Every iterator of the loader allocates from the same arena, one at a time (all in the
-  caller's thread), so interleaved iterators never share a slot.
+  caller's thread), so interleaved iterators never share a slot. ``dispatches`` holds each live
+  iterator's dispatcher, so that room made at the cap and slabs given back are seen by all of
+  them (a slab given back is detached from every iterator's workers; another iterator's
+  finished batches may be spilled for the batch needed next).
 - ``largest`` is the largest batch any iterator has asked a slot for, in bytes; dispatch takes
   slots of that size, so steady state needs no NEED_SLOT round trip.
 - ``close()`` waits (at most ``CLOSE_SETTLE_S``) for the GPU's copies from the fence's slots,
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from typing import Any
 
 from arena import Arena, Backend, userwarn
 from shmloader import afterfork
@@ -62,6 +66,8 @@ class ArenaHost:
         # The RNG snapshot rings of the iterators that borrow this host (each closes with its
         # iterator): reported in stats, as every byte the loader holds is.
         self.rng_rings: weakref.WeakSet[RngRing] = weakref.WeakSet()
+        # The dispatchers (shmloader.dispatch.Dispatch) of the iterators borrowing this host.
+        self.dispatches: weakref.WeakSet[Any] = weakref.WeakSet()
         self.export = StatsExport.from_environment()  # None unless a profiler asked
         self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, leases)
 

@@ -274,6 +274,11 @@ class Supervisor:
         for p in self.procs:
             p.join(KILL_S)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`shutdown` has begun: nothing may be sent to the workers any more."""
+        return self._stopped
+
     def shutdown(self) -> None:
         """STOP -> join -> terminate -> kill -> close. Idempotent."""
         if self._stopped:

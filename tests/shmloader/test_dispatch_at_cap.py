@@ -23,6 +23,7 @@ class FakeSupervisor:
     def __init__(self, workers: int) -> None:
         self.sent: list[tuple[int, Any]] = []
         self.procs = [SimpleNamespace(exitcode=None) for _ in range(workers)]
+        self.stopped = False
 
     def send(self, wid: int, msg: Any) -> None:
         self.sent.append((wid, msg))
