@@ -7,7 +7,9 @@ Backends:
 - ``memfd``: ``memfd_create``; anonymous, bounded only by RAM (and the memory cgroup), not by
   the ``/dev/shm`` mount — so it works inside Docker's default 64 MB ``/dev/shm``.
 - ``auto`` (default): ``posix`` when the request fits in ``/dev/shm``'s free space, else ``memfd``
-  with a one-time warning.
+  with a one-time warning. The space is checked and then reserved; if another process takes it
+  in between (the reservation fails with ``ENOSPC``), ``auto`` still falls back to ``memfd``
+  (same warning). Only an explicit ``posix`` fails for want of ``/dev/shm`` space.
 
 Invariants:
 - A POSIX segment has no name at all (``O_TMPFILE``); where that is unavailable its name exists
@@ -23,7 +25,14 @@ Invariants:
   and at interpreter exit it is left to the kernel: a view may be read until the process ends.
 - Only the owner keeps a descriptor (attachers reopen it through ``/proc``); an attacher closes
   its own as soon as the segment is mapped, so a process needs one descriptor per slab only where
-  the arena lives. Running out of descriptors is a ``RuntimeError`` naming ``ulimit -n``.
+  the arena lives.
+- Running out of a resource is an :class:`ArenaError` that names it, the numbers and the fix, in
+  the owner and in an attacher alike: descriptors (``EMFILE``/``ENFILE``, ``ulimit -n``) are an
+  :class:`ArenaDescriptorError`; address space or memory for the mapping (``mmap`` ``ENOMEM``,
+  ``ulimit -v``) and shared-memory space are an :class:`ArenaCapacityError`. An attach that fails
+  because the owner's descriptor is gone (``ENOENT``/``ESRCH``: the owner exited, or gave the
+  segment back) stays an ``OSError`` saying so. Each error takes one string argument, so torch's
+  ``ExceptionWrapper`` re-raises it in another process with its type and text.
 - Ownership: the creating process is the owner; the memory is freed by the kernel when the last
   descriptor and mapping in any process are gone.
 """
@@ -46,7 +55,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from arena import userwarn
-from arena.errors import ArenaCapacityError, ArenaDescriptorError
+from arena.errors import ArenaCapacityError, ArenaDescriptorError, ArenaError
 
 SHM_DIR = "/dev/shm"
 _NAME_PREFIX = "/shmloader-"
@@ -64,12 +73,15 @@ class Backend(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SegmentSpec:
-    """Everything another process needs to attach: pickles as five small fields, never bytes."""
+    """Everything another process needs to attach: pickles as five small fields, never bytes.
+    ``ino`` is the segment's inode number (0: not checked): an attacher that reopens the owner's
+    ``fd`` after the owner closed it, and the number now names another file, refuses to map it."""
 
     owner_pid: int
     fd: int
     size: int
     backend: Backend
+    ino: int = 0
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> int:
@@ -105,31 +117,136 @@ DESCRIPTOR_HEADROOM = 8  # descriptors left free for the rest of the process whe
 
 
 def _open_descriptors() -> int:
+    """How many descriptors this process has open (its limit when not one is left to count
+    them with; -1 when ``/proc`` cannot tell)."""
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir itself holds
-    except OSError:
+    except OSError as e:
+        if e.errno == errno.EMFILE:
+            return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return -1
 
 
-def _check_descriptor_room() -> None:
-    """Raise the descriptor error before making a slab would leave the process none to spare."""
+def _check_descriptor_room(purpose: str | None = None) -> None:
+    """Raise the descriptor error before making a segment would leave the process none to spare
+    (``purpose``: see :func:`_descriptor_error`)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and _open_descriptors() + DESCRIPTOR_HEADROOM >= soft:
-        raise _descriptor_error()
+        raise _descriptor_error(purpose)
 
 
-def _descriptor_error() -> ArenaDescriptorError:
+_RAISE_NOFILE = "raise the limit (`ulimit -n 65536`, or resource.setrlimit(RLIMIT_NOFILE))"
+
+
+def _descriptor_error(purpose: str | None = None) -> ArenaDescriptorError:
+    """The owner ran out of descriptors making a segment. ``purpose`` (a phrase after "for")
+    says what the segment is for; ``None`` means another slab of an arena that grows because the
+    batches the user holds fill the slabs it has, and adds the fixes for that."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     open_fds = _open_descriptors()
+    if purpose is not None:
+        return ArenaDescriptorError(
+            f"Too many open files: this process has {open_fds} descriptors open, too close to "
+            f"its limit `ulimit -n` = {soft} for {purpose}. Fixes: {_RAISE_NOFILE}, or close "
+            "descriptors the program keeps open."
+        )
     return ArenaDescriptorError(
         f"Too many open files: this process has {open_fds} descriptors open, too close to its "
         f"limit `ulimit -n` = {soft} for another arena slab; the shmloader arena holds one "
         "descriptor per slab here (its workers hold none), and it needs another slab because the "
-        "batches you hold fill the ones it has. Fixes: raise the limit "
-        "(`ulimit -n 65536`, or resource.setrlimit(RLIMIT_NOFILE)), hold fewer batches (drop "
+        f"batches you hold fill the ones it has. Fixes: {_RAISE_NOFILE}, hold fewer batches (drop "
         "references, .clone() what you keep, shmloader.release(batch, loader)), or make each "
         "slab hold more batches (arena_slots_per_slab)."
     )
+
+
+def _attach_descriptor_error(spec: SegmentSpec, err: int) -> ArenaDescriptorError:
+    """An attacher could not open the one descriptor it needs for a moment to map a segment."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    if err == errno.ENFILE:
+        cause = (
+            "the system's table of open files is full (`/proc/sys/fs/file-max`, "
+            f"`sysctl fs.file-max`); this process has {_open_descriptors()} descriptors open, "
+            f"its limit `ulimit -n` = {limit}"
+        )
+    else:
+        cause = (
+            f"this process (pid {os.getpid()}) has {_open_descriptors()} descriptors open, as "
+            f"many as its limit `ulimit -n` = {limit} allows"
+        )
+    return ArenaDescriptorError(
+        f"cannot attach a shared-memory slab of {spec.size:,} bytes (fd {spec.fd} of process "
+        f"{spec.owner_pid}): {os.strerror(err)}: {cause}. Mapping a slab takes one descriptor "
+        "for a moment (it is closed once the slab is mapped). Fixes: raise the limit in this "
+        "process (in a DataLoader worker: resource.setrlimit(RLIMIT_NOFILE, ...) from "
+        "worker_init_fn, or `ulimit -n 65536` before starting Python), close descriptors the "
+        "dataset keeps open, or use fewer workers (num_workers)."
+    )
+
+
+def _vm_size() -> int:
+    """This process's mapped address space in bytes (``VmSize``), or -1 if unreadable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def _map_capacity_error(size: int, err: int) -> ArenaCapacityError:
+    """``mmap`` of a segment failed with ``ENOMEM``: the address space or memory it needs is not
+    there. Names the address-space limit when one is set, since that is the usual cause."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    vm = _vm_size()
+    mapped = f"{vm:,} bytes" if vm >= 0 else "an unknown number of bytes"
+    if soft != resource.RLIM_INFINITY:
+        cause = (
+            f"this process (pid {os.getpid()}) maps {mapped} already and its address-space "
+            f"limit (`ulimit -v`, RLIMIT_AS) is {soft:,} bytes"
+        )
+        fixes = (
+            "raise or lift that limit (resource.setrlimit(RLIMIT_AS, ...); in a DataLoader "
+            "worker, from worker_init_fn, or `ulimit -v` before starting Python)"
+        )
+    else:
+        cause = (
+            f"this process (pid {os.getpid()}) maps {mapped} already; it has no address-space "
+            "limit (`ulimit -v` unlimited), so the kernel refused the mapping itself (memory "
+            "overcommit, vm.max_map_count, or the memory cgroup)"
+        )
+        fixes = "give the process more memory"
+    return ArenaCapacityError(
+        f"cannot map a shared-memory slab of {size:,} bytes: {os.strerror(err)}: {cause}. "
+        f"Fixes: {fixes}, or make slabs smaller: smaller batches (batch_size) or fewer slots "
+        "per slab (arena_slots_per_slab)."
+    )
+
+
+def _attach_error(spec: SegmentSpec, err: int) -> ArenaError | OSError:
+    """Why reopening the owner's descriptor of ``spec`` failed, as the error to raise."""
+    if err in (errno.EMFILE, errno.ENFILE):
+        return _attach_descriptor_error(spec, err)
+    where = (
+        f"cannot attach shared-memory segment fd {spec.fd} of process {spec.owner_pid} "
+        f"through /proc: {os.strerror(err)}"
+    )
+    if err in (errno.ENOENT, errno.ESRCH):
+        return OSError(
+            err,
+            f"{where}; the owner may have exited (or given the segment back), or /proc is not "
+            "readable in this container",
+        )
+    if err in (errno.EACCES, errno.EPERM):
+        return OSError(
+            err,
+            f"{where}; this process may not open the owner's descriptors (ptrace restrictions, "
+            "e.g. kernel.yama.ptrace_scope, or a different user)",
+        )
+    return OSError(err, where)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -228,21 +345,36 @@ def forsake(addr: int, nbytes: int) -> None:
 
 
 def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
-    """The concrete backend ``auto`` picks for a request of ``nbytes``."""
+    """The concrete backend ``auto`` picks for a request of ``nbytes`` (by the free space now;
+    :meth:`Segment.create` also falls back when the space goes before it is reserved)."""
     backend = Backend(backend)
     if backend is not Backend.AUTO:
         return backend
     if nbytes <= shm_free_bytes():
         return Backend.POSIX
+    _warn_fallback(
+        f"/dev/shm has {shm_free_bytes():,} bytes free, fewer than the {nbytes:,} requested"
+    )
+    return Backend.MEMFD
+
+
+def _warn_fallback(why: str) -> None:
+    """Warn, once per process, that ``auto`` moved to memfd because of ``why``."""
     if not _warned_fallback.is_set():
         _warned_fallback.set()
         userwarn.warn(
-            f"/dev/shm has {shm_free_bytes():,} bytes free, fewer than the {nbytes:,} requested; "
-            "shmloader falls back to anonymous memfd shared memory, which is bounded by RAM, not "
-            "by the /dev/shm mount. Pass arena_backend='memfd' to silence this warning.",
+            f"{why}; shmloader falls back to anonymous memfd shared memory, which is bounded by "
+            "RAM, not by the /dev/shm mount. Pass arena_backend='memfd' to silence this warning.",
             UserWarning,
         )
-    return Backend.MEMFD
+
+
+class _NoRoomInShm(Exception):  # internal: never leaves Segment.create
+    """``/dev/shm`` has no room for a POSIX segment: ``auto`` falls back, ``posix`` fails."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
 def _open_tmpfile() -> int:
@@ -255,8 +387,8 @@ def _open_posix(nbytes: int) -> int:
     try:
         return _open_tmpfile()
     except OSError as e:
-        if e.errno == errno.EMFILE:
-            raise
+        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOSPC):
+            raise  # out of descriptors or space: a named segment would be too
     # No O_TMPFILE there (an old kernel, another filesystem): a named POSIX segment, unlinked
     # at once; only a crash inside this window can leave its name behind.
     name = f"{_NAME_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
@@ -273,10 +405,14 @@ def _open_posix(nbytes: int) -> int:
 
 
 def _reserve(fd: int, nbytes: int, backend: Backend) -> None:
+    """Size ``fd`` and reserve its bytes now. ``/dev/shm`` full is :class:`_NoRoomInShm` (for
+    POSIX; :meth:`Segment.create` decides), RAM full an :class:`ArenaCapacityError`."""
     os.ftruncate(fd, nbytes)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
+        if e.errno == errno.ENOSPC and backend is Backend.POSIX:
+            raise _NoRoomInShm(os.strerror(e.errno)) from None
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise _capacity_error(nbytes, backend, os.strerror(e.errno)) from None
         raise
@@ -292,6 +428,7 @@ class Segment:
     _fd: int = -1
     _fd_closer: weakref.finalize | None = None  # type: ignore[type-arg]
     _mapping: ctypes.Array[ctypes.c_char] | None = None
+    ino: int = 0  # the inode number (in the owner, and in an attacher from its spec)
 
     def __init__(
         self,
@@ -301,8 +438,14 @@ class Segment:
         owner_pid: int,
         owner_fd: int | None = None,
         populate: bool = True,
+        ino: int | None = None,
     ) -> None:
-        self._mapping = _map(fd, size, populate)
+        try:
+            self._mapping = _map(fd, size, populate)
+        except OSError as e:
+            if e.errno == errno.ENOMEM:
+                raise _map_capacity_error(size, e.errno) from None
+            raise
         # The owner's descriptor number: what any process reopens through /proc (an attacher's
         # own descriptor number means nothing in the owner's fd table).
         self.owner_fd = fd if owner_fd is None else owner_fd
@@ -310,7 +453,9 @@ class Segment:
             self._fd = fd
             # A segment dropped without close() still gives its descriptor back.
             self._fd_closer = weakref.finalize(self, os.close, fd)
+            self.ino = os.fstat(fd).st_ino
         else:
+            self.ino = 0 if ino is None else ino
             # An attacher needs no descriptor once mapped: one per slab per process would run
             # into `ulimit -n` when a user holds many batches.
             os.close(fd)
@@ -323,28 +468,55 @@ class Segment:
         self._mapped = weakref.ref(self._mapping)
 
     @classmethod
-    def create(cls, nbytes: int, backend: Backend | str = Backend.AUTO) -> Segment:
-        """Create, reserve and pre-fault ``nbytes`` of shared memory owned by this process."""
+    def create(
+        cls, nbytes: int, backend: Backend | str = Backend.AUTO, purpose: str | None = None
+    ) -> Segment:
+        """Create, reserve and pre-fault ``nbytes`` of shared memory owned by this process.
+
+        With ``auto``, a POSIX segment that finds ``/dev/shm`` full when it reserves (the space
+        was free when :func:`resolve_backend` looked, and another process took it) is made with
+        memfd instead, with the one-time fallback warning; an explicit ``posix`` raises
+        :class:`ArenaCapacityError`. ``purpose`` names what the segment is for in the
+        descriptor error (:func:`_descriptor_error`; default: another arena slab)."""
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
-        chosen = resolve_backend(backend, nbytes)
-        if chosen is Backend.POSIX and nbytes > shm_free_bytes():
-            raise _capacity_error(nbytes, chosen, "/dev/shm is too small")
-        if chosen is Backend.MEMFD and nbytes > mem_available_bytes():
-            raise _capacity_error(nbytes, chosen, "not enough available RAM")
-        _check_descriptor_room()
+        requested = Backend(backend)
+        chosen = resolve_backend(requested, nbytes)
+        if chosen is Backend.POSIX:
+            try:
+                return cls._create(nbytes, Backend.POSIX, purpose)
+            except _NoRoomInShm as full:
+                if requested is not Backend.AUTO:
+                    raise _capacity_error(nbytes, Backend.POSIX, full.cause) from None
+            _warn_fallback(
+                f"/dev/shm ran out of space reserving {nbytes:,} bytes "
+                f"({shm_free_bytes():,} bytes free now)"
+            )
+        return cls._create(nbytes, Backend.MEMFD, purpose)
+
+    @classmethod
+    def _create(cls, nbytes: int, backend: Backend, purpose: str | None) -> Segment:
+        """:meth:`create` with a concrete backend. Raises :class:`_NoRoomInShm` when a POSIX
+        segment finds ``/dev/shm`` too small, before or while reserving."""
+        _check_descriptor_room(purpose)  # first: the checks below open files too
+        if backend is Backend.POSIX and nbytes > shm_free_bytes():
+            raise _NoRoomInShm("/dev/shm is too small")
+        if backend is Backend.MEMFD and nbytes > mem_available_bytes():
+            raise _capacity_error(nbytes, backend, "not enough available RAM")
         try:
-            if chosen is Backend.POSIX:
+            if backend is Backend.POSIX:
                 fd = _open_posix(nbytes)
             else:
                 fd = os.memfd_create("shmloader-slab", os.MFD_CLOEXEC)
         except OSError as e:
-            if e.errno == errno.EMFILE:
-                raise _descriptor_error() from e
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise _descriptor_error(purpose) from e
+            if e.errno == errno.ENOSPC and backend is Backend.POSIX:
+                raise _NoRoomInShm(os.strerror(e.errno)) from None
             raise
         try:
-            _reserve(fd, nbytes, chosen)
-            return cls(fd, nbytes, chosen, os.getpid())
+            _reserve(fd, nbytes, backend)
+            return cls(fd, nbytes, backend, os.getpid())
         except BaseException:
             os.close(fd)
             raise
@@ -353,18 +525,28 @@ class Segment:
     def attach(cls, spec: SegmentSpec, populate: bool = True) -> Segment:
         """Map the owner's segment into this process (any start method, any time). Without
         ``populate`` nothing is faulted in now (:meth:`populate` does it range by range):
-        faulting in a range the owner hollowed would fill it again."""
+        faulting in a range the owner hollowed would fill it again.
+
+        Raises :class:`ArenaDescriptorError` when this process has no descriptor to spare
+        (``EMFILE``/``ENFILE``), :class:`ArenaCapacityError` when it cannot map the bytes
+        (``ENOMEM``, e.g. under ``ulimit -v``), and ``OSError`` when the owner's descriptor
+        cannot be reached (the owner exited or closed it, or ``/proc`` is not readable)."""
         try:
             fd = reopen_descriptor(spec.owner_pid, spec.fd, os.O_RDWR)
         except OSError as e:
-            raise OSError(
-                e.errno,
-                f"cannot attach shared-memory segment fd {spec.fd} of process "
-                f"{spec.owner_pid} through /proc: {os.strerror(e.errno or 0)}; the owner "
-                "may have exited, or /proc is not readable in this container",
-            ) from None
+            raise _attach_error(spec, e.errno or 0) from None
         try:
-            return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd, populate)
+            st = os.fstat(fd)
+            if st.st_size != spec.size or (spec.ino and st.st_ino != spec.ino):
+                # The owner closed the segment and its descriptor number now names another file:
+                # mapping that would map the wrong memory (or past its end).
+                raise OSError(
+                    errno.ENOENT,
+                    f"cannot attach shared-memory segment fd {spec.fd} of process "
+                    f"{spec.owner_pid}: that descriptor now names another file; the owner gave "
+                    "the segment back (closed it)",
+                )
+            return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd, populate, st.st_ino)
         except BaseException:
             os.close(fd)
             raise
@@ -420,7 +602,7 @@ class Segment:
     @property
     def spec(self) -> SegmentSpec:
         """What another process needs to attach this segment."""
-        return SegmentSpec(self.owner_pid, self.owner_fd, self.size, self.backend)
+        return SegmentSpec(self.owner_pid, self.owner_fd, self.size, self.backend, self.ino)
 
     @property
     def closed(self) -> bool:

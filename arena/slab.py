@@ -41,10 +41,18 @@ class Slab:
 
     @classmethod
     def create(
-        cls, slab_id: int, slot_size: int, nslots: int, backend: Backend | str = Backend.AUTO
+        cls,
+        slab_id: int,
+        slot_size: int,
+        nslots: int,
+        backend: Backend | str = Backend.AUTO,
+        purpose: str | None = None,
     ) -> Slab:
-        """Reserve and pre-fault a new slab owned by this process."""
-        return cls(slab_id, slot_size, nslots, Segment.create(slot_size * nslots, backend))
+        """Reserve and pre-fault a new slab owned by this process. ``purpose`` says what it is
+        for when there is no descriptor to spare for it (default: another arena slab; see
+        :meth:`Segment.create`)."""
+        segment = Segment.create(slot_size * nslots, backend, purpose)
+        return cls(slab_id, slot_size, nslots, segment)
 
     @classmethod
     def attach(cls, spec: SlabSpec, populate: bool = True) -> Slab:

@@ -12,9 +12,9 @@ on a side stream, one step ahead, releasing each slot only after its copy comple
 Errors a user can catch, all subclasses of ``RuntimeError`` (defined in :mod:`arena.errors`,
 re-exported here so no one needs to know that): :class:`ArenaError` (the base),
 :class:`ArenaCapacityError` (a batch or slab cannot get the bytes), :class:`ArenaExhaustedError`
-(every slot is held and the arena is at its cap), :class:`ArenaDescriptorError` (another slab
-would leave the process without file descriptors: ``ulimit -n``), :class:`StaleSlotError` (a slot
-released twice).
+(every slot is held and the arena is at its cap), :class:`ArenaDescriptorError` (a process, the
+main one or a worker, has no file descriptor to spare for a slab or the RNG-state ring: ``ulimit
+-n``), :class:`StaleSlotError` (a slot released twice).
 """
 
 import os

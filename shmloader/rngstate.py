@@ -26,7 +26,9 @@ Ring (one slab, ``nworkers * depth`` entries of ``ENTRY_SIZE`` bytes): worker ``
 answer the main process has seen always has its entry. Invariant: a worker answers at most
 ``prefetch_factor`` tasks beyond the last one the user consumed, so with ``depth >
 prefetch_factor + 1`` the entry the main process needs is never overwritten; the reader checks
-the tag before and after copying and raises if it was.
+the tag before and after copying and raises if it was. The ring holds one descriptor in the main
+process; when the process has none to spare as the iterator starts its workers, the
+``ArenaDescriptorError`` names the ring and the workers being started, with the numbers.
 """
 
 from __future__ import annotations
@@ -181,7 +183,16 @@ class RngRing:
 
     @classmethod
     def create(cls, nworkers: int, depth: int, backend: Any) -> RngRing:
-        return cls(Slab.create(-1, ENTRY_SIZE, nworkers * depth, backend), depth)
+        """The ring of an iterator that starts ``nworkers`` workers. It takes one descriptor in
+        this process while it lives; without one to spare, the :class:`ArenaDescriptorError`
+        says it is the ring, made when workers start (not an arena slab for held batches)."""
+        purpose = (
+            f"starting {nworkers} DataLoader worker{'s' if nworkers != 1 else ''}: the "
+            "shared-memory ring they publish their RNG state into takes one descriptor here "
+            "while the iterator lives, and each worker a few more (a pipe and a process handle)"
+        )
+        slab = Slab.create(-1, ENTRY_SIZE, nworkers * depth, backend, purpose=purpose)
+        return cls(slab, depth)
 
     @classmethod
     def attach(cls, spec: SlabSpec, depth: int) -> RngRing:

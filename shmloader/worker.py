@@ -9,7 +9,8 @@ Loop states (one dispatch over commands)::
                               +--no slot / too small--> NEED_SLOT sent --GRANT--> lay out --> READY
                                                                   --DENY / RESUME / STOP--> drop
     IDLE --RESUME--> fresh fetcher --> IDLE      IDLE --stale TASK--> fetch --> DROPPED sent
-    any --ATTACH / DETACH--> map / unmap a slab (applied as soon as read)
+    any --ATTACH / DETACH--> map / unmap a slab (applied as soon as read; an ATTACH that fails
+                             is retried by the next task that names the slab)
     any --REVOKE--> a queued task forgets the slot it was sent with (it asks when it gets there)
     IDLE --STOP or EOF--> exit
 
@@ -27,6 +28,11 @@ Invariants:
   epoch too), so dataset-side randomness stays in step with torch; after its IterableDataset
   replica is exhausted the worker skips tasks until RESUME, as torch's do (a skipped task of an
   abandoned epoch is still answered DROPPED, so its slot comes back).
+- A slab the worker could not map when its ATTACH came (no descriptor to spare, no address
+  space, or the slab already given back) is not given up on: its spec is kept until its DETACH,
+  and every task that names it tries to map it again. A task whose slab still cannot be mapped
+  fails alone, with the attach error (a shmloader error naming the resource, the numbers and the
+  fix), re-raised in the main process at that batch's turn; the next task tries again.
 - The worker dies with the main process: a watchdog thread waits on a pidfd of the main process
   and exits the moment it goes. SIGINT is ignored: Ctrl-C is the main process's to handle.
 """
@@ -48,7 +54,7 @@ from typing import Any
 
 import torch
 
-from arena import Descriptor, Slab, SlabSpec, SlotRef
+from arena import ArenaError, Descriptor, Slab, SlabSpec, SlotRef
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     ITERABLE_KIND,
@@ -147,7 +153,9 @@ class _Worker:
         self.fd = conn.fileno()
         self.frames = FrameReader(self.fd)
         self.slabs: dict[int, Slab] = {}
-        self.unattached: dict[int, OSError] = {}  # slab id -> why it could not be mapped
+        # Slabs announced (ATTACH) but not mapped yet: slab id -> spec, to map when a task names
+        # one (until its DETACH).
+        self.unattached: dict[int, SlabSpec] = {}
         self.inbox: deque[P.ToWorker] = deque()
         self.iteration_end = False
         self.latest_epoch = 0
@@ -236,14 +244,14 @@ class _Worker:
         msg = P.decode(frame)
         if isinstance(msg, P.Attach):
             try:
-                # Not pre-faulted whole: that would fill slots the main process hollowed.
-                self.slabs[msg.spec.slab_id] = Slab.attach(msg.spec, populate=False)
-            except OSError as e:
+                self.attach(msg.spec)
+            except (OSError, ArenaError):
                 if not _alive(self.cfg.main_pid):
                     return P.Stop()  # the main process is gone: nothing left to load for
-                # Most likely the arena gave the slab back before this worker got here (its
-                # DETACH follows); if a task names it after all, that task fails with this.
-                self.unattached[msg.spec.slab_id] = e
+                # The arena gave the slab back before this worker got here (its DETACH follows),
+                # or this process is short of descriptors or address space for now: a task that
+                # names the slab tries again (slot()), and fails alone if it still cannot.
+                self.unattached[msg.spec.slab_id] = msg.spec
         elif isinstance(msg, P.Detach):
             self.unattached.pop(msg.slab_id, None)
             slab = self.slabs.pop(msg.slab_id, None)
@@ -265,6 +273,14 @@ class _Worker:
             self.revoked = {k for k in self.revoked if k[0] >= msg.epoch}
         return msg  # type: ignore[return-value]
 
+    def attach(self, spec: SlabSpec) -> Slab:
+        """Map ``spec``'s slab (not pre-faulted whole: that would fill slots the main process
+        hollowed; each slot is faulted in when first used). Raises what
+        :meth:`arena.Slab.attach` raises; then the slab stays unmapped."""
+        slab = self.slabs[spec.slab_id] = Slab.attach(spec, populate=False)
+        self.unattached.pop(spec.slab_id, None)
+        return slab
+
     def take_grant(self, epoch: int, seq: int) -> SlotRef | None:
         """A slot the main process has already offered for this task, if any (reads whatever
         frames are waiting, without blocking)."""
@@ -281,10 +297,18 @@ class _Worker:
         key = (ref.slab_id, ref.slot)
         view = self.views.get(key)
         if view is None:
-            failed = self.unattached.get(ref.slab_id)
-            if failed is not None:
-                raise failed
-            slab = self.slabs[ref.slab_id]
+            slab = self.slabs.get(ref.slab_id)
+            if slab is None:
+                spec = self.unattached.get(ref.slab_id)
+                if spec is None:
+                    raise RuntimeError(
+                        f"a task names slot {ref.slot} of slab {ref.slab_id}, which this worker "
+                        "has not mapped: the arena gave the slab back (DETACH) or never "
+                        "announced it to this worker"
+                    )
+                # Its ATTACH failed: try again now. Still failing raises (this task fails with
+                # the reason); the spec stays for the next task that names the slab.
+                slab = self.attach(spec)
             slab.populate_slot(ref.slot)  # once per slot per worker: no fault per page later
             view = self.views[key] = SlotView.of(slab.slot_buffer(ref.slot))
         return view
