@@ -44,6 +44,7 @@ from shmloader import protocol as P
 from shmloader._torch_compat import _BaseDataLoaderIter, profiler_enabled
 from shmloader.dispatch import Dispatch
 from shmloader.host import ArenaHost
+from shmloader.interrupts import from_a_signal, unusable_after
 from shmloader.lease import Leases
 from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress
@@ -108,6 +109,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if host.export is not None:
             host.export.write({"kind": "workers", "pids": list(self._sup.pids)})
         self.failure: str | None = None
+        self._safe = False  # whether an interruption of next() now leaves nothing half done
         self._reset(loader, first_iter=True)
 
     def _busy_here(self) -> bool:
@@ -158,10 +160,13 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 self._try_put()
 
     def _try_put(self) -> None:
+        self._safe = True  # the sampler (user code): an interruption there drops one index
         try:
             index = self._at.draw(self._next_index)
         except StopIteration:
             return
+        finally:
+            self._safe = False
         d = self._dispatch
         sent = d.tasks.sent
         d.put(index)
@@ -208,6 +213,20 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
 
     @one_thread("next()")
     def _next_data(self) -> Any:
+        try:
+            return self._next_batch()
+        except BaseException as e:
+            safe = self._safe or self._sup.polling  # where it landed (shmloader.interrupts)
+            self._safe = self._sup.polling = False
+            if not safe and self.failure is None and from_a_signal(e):
+                self.failure = unusable_after(e)
+                self._host.retired = True  # its books may be half-changed too: a fresh arena
+                self._sup.kill()
+                self._shutdown_workers()
+            raise
+
+    def _next_batch(self) -> Any:
+        self._safe = False  # from here on an interruption may leave a change half done
         if self.failure is not None:
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
         if self._pid != os.getpid():  # inherited through fork(): workers and slots are not ours
@@ -230,6 +249,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                     self._leases.drain()
                 raise StopIteration
             self._receive()
+            self._safe = False
 
     def _receive(self) -> None:
         """Wait for worker frames (unless some read before an interruption are still in the
@@ -248,35 +268,37 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{why}")
             deaths = self._sup.wait(left)
         while inbox:  # one frame at a time: an interruption leaves the rest for the next call
+            self._safe = False
             wid, frame = inbox.popleft()
             self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
         if deaths:
             self._fail(deaths)
 
     def _handle(self, wid: int, msg: P.ToMain) -> None:
+        """Record one frame; once it is recorded, an interruption leaves nothing half done."""
         d = self._dispatch
         if isinstance(msg, P.ReplicaState):
             self._progress.replica_state(msg, d.epoch)
-            return
-        if msg.epoch != d.epoch:
+        elif msg.epoch != d.epoch:
             d.orphan_answered(msg)
             if not isinstance(msg, P.NeedSlot):
                 self._progress.orphan_answered(wid, msg.epoch, msg.seq)
-            return
-        info = d.tasks.get(msg.seq)
-        if info is None or (isinstance(msg, P.Dropped) and msg.seq not in d.denied):
-            raise RuntimeError(
-                f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
-            )
-        if isinstance(msg, _ANSWERS):
-            d.answer(info, msg)
-        elif isinstance(msg, P.NeedSlot):
-            d.need(info, msg)
-        else:  # Exhausted: torch marks the worker unavailable, then tries to send one more task
-            d.retire(wid, info)
-            if not self._persistent_workers:
-                self._sup.retire(wid)
-            self._try_put()
+        else:
+            info = d.tasks.get(msg.seq)
+            if info is None or (isinstance(msg, P.Dropped) and msg.seq not in d.denied):
+                raise RuntimeError(
+                    f"unexpected {type(msg).__name__} for task {msg.seq} from worker {wid}"
+                )
+            if isinstance(msg, _ANSWERS):
+                d.answer(info, msg)
+            elif isinstance(msg, P.NeedSlot):
+                d.need(info, msg)
+            else:  # Exhausted: torch marks the worker unavailable, then tries to send one more
+                d.retire(wid, info)
+                if not self._persistent_workers:
+                    self._sup.retire(wid)
+                self._try_put()
+        self._safe = True  # between frames (shmloader.interrupts)
 
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
@@ -294,6 +316,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if isinstance(answer, P.Failed):
             d.release(info.slots())
             answer.error.reraise()
+        self._safe = True  # an interruption from here on drops this batch, and nothing else
         batch = self._leases.open(answer)  # type: ignore[arg-type]  # releases the slot if the batch cannot be rebuilt
         host = self._host
         if host.export is not None:

@@ -63,6 +63,9 @@ class ArenaHost:
         afterfork.track(self.leases)  # a child forked while batches are held keeps them
         self.largest = 0
         self.worker_pids: tuple[int, ...] = ()
+        # Set when an iterator was interrupted half-way through a change (shmloader.interrupts):
+        # the loader's next iterator makes a fresh host; this one closes once nothing uses it.
+        self.retired = False
         # The RNG snapshot rings of the iterators that borrow this host (each closes with its
         # iterator): reported in stats, as every byte the loader holds is.
         self.rng_rings: weakref.WeakSet[RngRing] = weakref.WeakSet()

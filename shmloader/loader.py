@@ -159,8 +159,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _host_for(self, pin: bool, pin_device: str | None) -> ArenaHost:
         """This loader's arena in this process: made on first use, and made anew in a process
-        other than the one that made it (a fork of the main process), never shared."""
-        if self._host is None or not self._host.here:
+        other than the one that made it (a fork of the main process), never shared, or once an
+        interruption may have left it half-changed (``retired``)."""
+        if self._host is None or not self._host.here or self._host.retired:
             opts = self.arena_options
             self._host = ArenaHost(
                 backend=opts.backend,

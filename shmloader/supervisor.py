@@ -101,6 +101,9 @@ class Supervisor:
         self._wfds: list[int] = []  # the pipes' descriptors (non-blocking)
         self._outbox: list[bytearray] = [bytearray() for _ in configs]  # bytes not yet written
         self.inbox: deque[tuple[int, bytes]] = deque()  # (worker id, frame) read, not yet handled
+        # True only inside the poll of wait(): an interruption there leaves nothing half done
+        # (shmloader.interrupts); whoever catches one resets it.
+        self.polling = False
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
@@ -240,7 +243,10 @@ class Supervisor:
         frames = self.inbox
         gone: set[int] = set()
         ms = None if timeout is None else max(0, int(timeout * 1000))
-        for fd, events in poller.poll(ms):
+        self.polling = True
+        ready = poller.poll(ms)
+        self.polling = False
+        for fd, events in ready:
             wid, is_pipe = self._fds[fd]
             if not is_pipe:
                 gone.add(wid)  # a sentinel: that worker exited
