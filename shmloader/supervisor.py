@@ -122,11 +122,17 @@ class Supervisor:
                     name=f"shmloader-worker-{cfg.worker_id}",
                     daemon=True,
                 )
+                # A forked child keeps this mask: SIGINT stays blocked until worker_main ignores
+                # it, so a Ctrl-C while the worker starts up does not kill it. (multiprocessing's
+                # spawn and forkserver children start with an empty mask: for them a Ctrl-C
+                # before worker_main still ends a starting worker.)
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 try:
                     proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     raise _start_error(e, cfg) from e
                 finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                     child.close()
                 self.procs.append(proc)
                 _started.add(proc)

@@ -482,6 +482,7 @@ def worker_main(cfg: WorkerConfig, conn: Connection) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked since the fork
     # Objects inherited from the main process move to the collector's permanent generation, so
     # the worker's full collections never write to them: their pages stay shared with the main
     # process instead of being copied into this worker (review 8: 12 -> 46 MiB private per

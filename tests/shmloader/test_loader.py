@@ -4,8 +4,10 @@ import contextlib
 import gc
 import itertools
 import math
+import multiprocessing
 import os
 import signal
+from typing import Any
 
 import numpy as np
 import psutil
@@ -14,6 +16,7 @@ import torch
 
 import shmloader
 from arena import ArenaExhaustedError
+from shmloader.worker import worker_main
 from tests.lifetime_checks import frees_its_loaders_on_failure
 
 from .fakes import Counting, Growing, KillsItself, Raises, Sleepy, Squares, pad_collate
@@ -158,6 +161,32 @@ def test_workers_ignore_sigint_so_the_main_process_handles_ctrl_c():
     for pid in loader.stats().worker_pids:
         os.kill(pid, signal.SIGINT)
     assert len(list(it)) == 7
+
+
+_SIGNALLED = multiprocessing.get_context("fork").Event()
+
+
+def _worker_main_after_the_signal(cfg: Any, conn: Any) -> None:
+    """A forked worker's entry, held before shmloader's own until the test has sent SIGINT."""
+    if not _SIGNALLED.wait(30):
+        os._exit(3)
+    worker_main(cfg, conn)
+
+
+def test_a_ctrl_c_while_a_forked_worker_starts_up_does_not_kill_it(monkeypatch):
+    # A CI run sent SIGINT to a worker still in multiprocessing's bootstrap, before it ignored
+    # SIGINT: it died of KeyboardInterrupt. Here every worker waits at that point for the
+    # signal; SIGINT is blocked there now (until worker_main ignores it), so they live on.
+    monkeypatch.setattr("shmloader.supervisor.worker_main", _worker_main_after_the_signal)
+    loader = shmloader.DataLoader(Squares(32), batch_size=4, num_workers=2)
+    it = iter(loader)
+    for pid in loader.stats().worker_pids:
+        os.kill(pid, signal.SIGINT)
+    _SIGNALLED.set()
+    try:
+        assert len(list(it)) == 8
+    finally:
+        _SIGNALLED.clear()
 
 
 def test_an_unknown_backend_is_rejected_with_the_choices():
