@@ -44,7 +44,7 @@ from shmloader import protocol as P
 from shmloader._torch_compat import _BaseDataLoaderIter, profiler_enabled
 from shmloader.dispatch import Dispatch
 from shmloader.host import ArenaHost
-from shmloader.interrupts import from_a_signal, unusable_after
+from shmloader.interrupts import DESIGNED, touched_the_books, unusable_after
 from shmloader.lease import Leases
 from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress
@@ -160,13 +160,13 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                 self._try_put()
 
     def _try_put(self) -> None:
-        self._safe = True  # the sampler (user code): an interruption there drops one index
+        self._safe = True  # the sampler (user code): what it raises drops one index, as in torch
         try:
             index = self._at.draw(self._next_index)
         except StopIteration:
-            return
-        finally:
             self._safe = False
+            return
+        self._safe = False
         d = self._dispatch
         sent = d.tasks.sent
         d.put(index)
@@ -216,11 +216,13 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         try:
             return self._next_batch()
         except BaseException as e:
-            safe = self._safe or self._sup.polling  # where it landed (shmloader.interrupts)
+            # Where it left from (shmloader.interrupts): a safe place, or one of our own errors?
+            safe = self._safe or self._sup.polling or isinstance(e, DESIGNED)
             self._safe = self._sup.polling = False
-            if not safe and self.failure is None and from_a_signal(e):
+            if not safe and self.failure is None:
                 self.failure = unusable_after(e)
-                self._host.retired = True  # its books may be half-changed too: a fresh arena
+                if touched_the_books(e):
+                    self._host.retired = True  # the arena's books may be half-changed too
                 self._sup.kill()
                 self._shutdown_workers()
             raise
@@ -230,6 +232,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if self.failure is not None:
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
         if self._pid != os.getpid():  # inherited through fork(): workers and slots are not ours
+            self._safe = True
             raise RuntimeError(
                 f"this DataLoader iterator belongs to process {self._pid}, not to this one "
                 f"({os.getpid()}), which inherited it through fork(); call iter(loader) here "
@@ -265,6 +268,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 why = d.gpu_wait(self._timeout)  # empty unless copy-fenced slots held it up
+                self._safe = True
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{why}")
             deaths = self._sup.wait(left)
         while inbox:  # one frame at a time: an interruption leaves the rest for the next call
@@ -315,6 +319,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         answer = info.answer
         if isinstance(answer, P.Failed):
             d.release(info.slots())
+            self._safe = True
             answer.error.reraise()
         self._safe = True  # an interruption from here on drops this batch, and nothing else
         batch = self._leases.open(answer)  # type: ignore[arg-type]  # releases the slot if the batch cannot be rebuilt

@@ -1,64 +1,64 @@
-"""Interruptions inside ``next()``: Ctrl-C, and exceptions that signal handlers raise.
+"""Interruptions inside ``next()``: Ctrl-C, exceptions that signal handlers raise, and errors of
+the loader's own bookkeeping.
 
-A ``KeyboardInterrupt`` (or any exception a Python signal handler raises: a ``SIGALRM`` time
-limit, a ``SIGTERM`` handler calling ``sys.exit``) can land between any two bytecodes of the main
-process. While an iterator waits for its workers' frames (the ``poll`` in
-:meth:`shmloader.supervisor.Supervisor.wait`) nothing is half done, and the iterator goes on
-as if nothing happened when it is called again. Anywhere else it may be half-way through a
-change: frame bytes read from a pipe and not yet stored, a frame taken from the inbox and not
-yet recorded, a task decided and not yet sent. Going on from there could lose a batch (and wait
-for it forever) or hand one out twice. torch's own iterator has the same windows.
+A ``KeyboardInterrupt`` (or any exception a signal handler raises: a ``SIGALRM`` time limit, a
+``SIGTERM`` handler calling ``sys.exit``, whatever the handler is: a function, a
+``functools.partial``, an object) can land between any two bytecodes of the main process. Most
+places in ``next()`` are half-way through a change when it does: frame bytes read from a pipe
+and not yet stored, a frame taken from the inbox and not yet recorded, a task decided and not
+yet sent, a dead batch's slot popped and not yet released. Going on from there could lose a
+batch (and wait for it forever) or hand one out twice. torch's own iterator has the same
+windows.
 
-Three more places are safe: between two frames read together (the rest wait in the inbox), the
-sampler's draw (user code; the index drawn is dropped, as torch drops it) and rebuilding the
-batch to return (it is dropped, and its slot freed). The iterator's ``_safe`` flag says so;
-everything else in ``next()`` counts as half done.
+Safe places (the iterator's ``_safe`` flag, and the supervisor's ``polling``): the ``poll`` of
+the wait for workers' frames (where an idle loader spends its time), between two frames read
+together (the rest wait in the inbox), the sampler's draw (user code: what it raises drops one
+index, as in torch) and rebuilding the batch to return (it is dropped, and its slot freed).
 
-Invariant: an iterator whose ``next()`` is interrupted anywhere else is marked unusable at once
-(its workers are stopped and its slots reclaimed, as after a worker's death), and its arena is
-retired (the loader's next iterator makes a fresh one; batches still held stay valid): its next
-call raises an error saying so, and ``iter(loader)`` starts over. It never hangs waiting for a
-batch the interruption lost. Errors the loader raises by design (a worker's exception, the
-timeout, an exhausted arena, ``StopIteration``) are not interruptions and change nothing.
+Invariants:
+- An exception that leaves ``next()`` from a safe place, or that is one of the loader's own
+  errors raised where its books are whole (``DESIGNED``; the timeout, a dead worker, a worker's
+  exception re-raised, an inherited iterator: each marks the place safe before it raises),
+  changes nothing: the same iterator goes on.
+- Any other exception marks the iterator unusable at once: its workers are stopped and its slots
+  reclaimed, as after a worker's death; its next call raises an error saying why, and
+  ``iter(loader)`` starts over. It never hangs waiting for a batch the interruption lost.
+- When that exception went through the arena's or the lease table's own code
+  (:func:`touched_the_books`), the loader's arena is retired too: the next iterator makes a fresh
+  one. Batches still held from the old one stay valid; they and its slabs are no longer in
+  ``stats()``, and the fresh arena has the whole ``arena_max_bytes`` (a double hand-out of a slot
+  from half-changed books would be worse than either).
 """
 
 from __future__ import annotations
 
-import signal
-from types import CodeType
+import os
+from typing import Final
+
+import arena
+from arena import ArenaError
+
+# The loader's own errors raised where its books are whole (others mark the place safe).
+DESIGNED: Final = (StopIteration, ArenaError)
+
+_BOOKS: Final = (
+    os.path.dirname(os.path.abspath(arena.__file__)) + os.sep,
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "lease.py"),
+)
 
 
-def _handler_code() -> set[CodeType]:
-    """The code of every Python-level signal handler installed now."""
-    codes: set[CodeType] = set()
-    for signum in signal.valid_signals():
-        try:
-            handler = signal.getsignal(signum)
-        except (ValueError, OSError):
-            continue
-        func = getattr(handler, "__func__", handler)  # a bound method's function
-        code = getattr(func, "__code__", None)
-        if isinstance(code, CodeType):
-            codes.add(code)
-    return codes
-
-
-def from_a_signal(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised asynchronously: a ``KeyboardInterrupt`` (Python's own SIGINT
-    handler), or raised inside a Python signal handler (its frame is in the traceback)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return True
-    codes = _handler_code()
+def touched_the_books(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside the arena's or the lease table's code."""
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code in codes:
+        if tb.tb_frame.f_code.co_filename.startswith(_BOOKS):
             return True
         tb = tb.tb_next
     return False
 
 
 def unusable_after(exc: BaseException) -> str:
-    """Why an iterator interrupted by ``exc`` outside its wait cannot go on."""
+    """Why an iterator that ``exc`` left half-way through a change cannot go on."""
     return (
         f"its next() was interrupted by {type(exc).__name__} while it was recording its "
         "workers' answers or sending them tasks (not while waiting for them), so going on could "

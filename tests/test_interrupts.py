@@ -9,7 +9,6 @@ its workers stopped; iterating the loader again starts over (``shmloader.interru
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 
 import shmloader
 from shmloader.epoch import ShmDataLoaderIter
-from shmloader.interrupts import from_a_signal
+from shmloader.lease import Leases
 from shmloader.supervisor import Supervisor
 from tests.lifetime_checks import frees_its_loaders_on_failure
 
@@ -39,41 +38,22 @@ ALL = list(range(0, 40, 4))
 
 
 class Alarm(Exception):
-    pass
-
-
-def _raise_alarm(signum: int, frame: Any) -> None:
-    raise Alarm
-
-
-def test_exceptions_of_signal_handlers_are_told_from_those_raised_by_code():
-    assert from_a_signal(KeyboardInterrupt())
-    with pytest.raises(ValueError) as plain:
-        raise ValueError("by code")
-    assert not from_a_signal(plain.value)
-    before = signal.signal(signal.SIGUSR1, _raise_alarm)
-    try:
-        with pytest.raises(Alarm) as alarm:
-            signal.raise_signal(signal.SIGUSR1)  # the handler runs before this call returns
-        assert from_a_signal(alarm.value)  # the handler's frame is in its traceback
-        assert not from_a_signal(Alarm())  # the same type, raised by code
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+    """What a SIGALRM handler of the user's might raise (any type, any kind of handler)."""
 
 
 @pytest.fixture
 def interrupt_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """``interrupt_once(cls, name, at)``: the ``at``-th call of ``cls.name`` raises
-    ``KeyboardInterrupt`` first, as a Ctrl-C landing right there would."""
+    """``interrupt_once(cls, name, at, exc)``: the ``at``-th call of ``cls.name`` raises ``exc``
+    (``KeyboardInterrupt``) first, as a Ctrl-C (or a signal handler) landing right there would."""
 
-    def arm(cls: type, name: str, at: int) -> None:
+    def arm(cls: type, name: str, at: int, exc: type[BaseException] = KeyboardInterrupt) -> None:
         real = getattr(cls, name)
         calls = [0]
 
         def interrupted(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             if calls[0] == at:
-                raise KeyboardInterrupt
+                raise exc
             return real(*args, **kwargs)
 
         monkeypatch.setattr(cls, name, interrupted)
@@ -82,10 +62,14 @@ def interrupt_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.undo()
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize(
+    ("persistent", "exc"),
+    [(False, KeyboardInterrupt), (True, KeyboardInterrupt), (False, Alarm)],
+    ids=["fresh", "persistent", "a-handlers-own-exception"],
+)
 @frees_its_loaders_on_failure
 def test_an_interruption_while_answers_are_recorded_makes_the_iterator_say_so(
-    interrupt_once: Any, persistent: bool
+    interrupt_once: Any, persistent: bool, exc: type[BaseException]
 ) -> None:
     loader = shmloader.DataLoader(
         Rows(), batch_size=4, num_workers=2, persistent_workers=persistent, timeout=30
@@ -93,16 +77,49 @@ def test_an_interruption_while_answers_are_recorded_makes_the_iterator_say_so(
     it = iter(loader)
     held = [next(it), next(it)]
     pids = loader.stats().worker_pids
-    interrupt_once(ShmDataLoaderIter, "_handle", 1)  # the next answer the loader records
-    with pytest.raises(KeyboardInterrupt):
+    interrupt_once(ShmDataLoaderIter, "_handle", 1, exc)  # the next answer the loader records
+    with pytest.raises(exc):
         while True:
             held.append(next(it))  # (batches already recorded may still come first)
-    with pytest.raises(RuntimeError, match="interrupted by KeyboardInterrupt while it was record"):
+    with pytest.raises(RuntimeError, match=f"interrupted by {exc.__name__} while it was record"):
         next(it)  # before: a lost answer, then a wait without end (or "timed out")
     assert all(not p.is_alive() for p in it._workers), "its workers were not stopped"
     assert firsts(held) == ALL[: len(held)]  # batches held before it stay intact
     assert firsts(list(loader)) == ALL  # the loader starts over, on fresh workers
     assert set(loader.stats().worker_pids).isdisjoint(pids)
+    assert loader.stats().slabs >= 1 and not it._host.retired  # the arena's books were whole
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_inside_the_arenas_books_retires_the_arena(interrupt_once: Any) -> None:
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    held = next(it)
+    old = it._host
+    interrupt_once(Leases, "_give_back", 1)  # a dead batch's slot, on its way back
+    del held
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert old.retired
+    with pytest.raises(RuntimeError, match="interrupted by KeyboardInterrupt"):
+        next(it)
+    assert firsts(list(loader)) == ALL  # on a fresh arena
+    assert loader._host is not old
+
+
+@frees_its_loaders_on_failure
+def test_what_the_sampler_raises_leaves_the_iterator_usable() -> None:
+    class Fails(torch.utils.data.Sampler[int]):
+        def __iter__(self) -> Iterator[int]:
+            yield from range(24)
+            raise Alarm  # while the loader draws ahead: torch drops the batch and raises it
+
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, sampler=Fails())
+    it = iter(loader)
+    with pytest.raises(Alarm):
+        while True:
+            next(it)
+    assert it.failure is None  # not an interruption: the iterator is whole
 
 
 @frees_its_loaders_on_failure
