@@ -418,6 +418,22 @@ def _reserve(fd: int, nbytes: int, backend: Backend) -> None:
         raise
 
 
+class _Fd:
+    """A descriptor that is closed at most once, by whichever of its holders gets there first
+    (the segment's finalizer, or the error path of the code that made the segment: an
+    interruption between the two must not close a number that another file has taken since)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class Segment:
     """One shared-memory segment mapped into this process.
 
@@ -432,7 +448,7 @@ class Segment:
 
     def __init__(
         self,
-        fd: int,
+        fd: _Fd,
         size: int,
         backend: Backend,
         owner_pid: int,
@@ -441,24 +457,24 @@ class Segment:
         ino: int | None = None,
     ) -> None:
         try:
-            self._mapping = _map(fd, size, populate)
+            self._mapping = _map(fd.fd, size, populate)
         except OSError as e:
             if e.errno == errno.ENOMEM:
                 raise _map_capacity_error(size, e.errno) from None
             raise
         # The owner's descriptor number: what any process reopens through /proc (an attacher's
         # own descriptor number means nothing in the owner's fd table).
-        self.owner_fd = fd if owner_fd is None else owner_fd
+        self.owner_fd = fd.fd if owner_fd is None else owner_fd
         if owner_fd is None:
-            self._fd = fd
+            self._fd = fd.fd
+            self.ino = os.fstat(fd.fd).st_ino
             # A segment dropped without close() still gives its descriptor back.
-            self._fd_closer = weakref.finalize(self, os.close, fd)
-            self.ino = os.fstat(fd).st_ino
+            self._fd_closer = weakref.finalize(self, fd.close)
         else:
             self.ino = 0 if ino is None else ino
             # An attacher needs no descriptor once mapped: one per slab per process would run
             # into `ulimit -n` when a user holds many batches.
-            os.close(fd)
+            fd.close()
         self.size = size
         self.backend = backend
         self.owner_pid = owner_pid
@@ -514,11 +530,12 @@ class Segment:
             if e.errno == errno.ENOSPC and backend is Backend.POSIX:
                 raise _NoRoomInShm(os.strerror(e.errno)) from None
             raise
+        box = _Fd(fd)
         try:
             _reserve(fd, nbytes, backend)
-            return cls(fd, nbytes, backend, os.getpid())
+            return cls(box, nbytes, backend, os.getpid())
         except BaseException:
-            os.close(fd)
+            box.close()
             raise
 
     @classmethod
@@ -535,6 +552,7 @@ class Segment:
             fd = reopen_descriptor(spec.owner_pid, spec.fd, os.O_RDWR)
         except OSError as e:
             raise _attach_error(spec, e.errno or 0) from None
+        box = _Fd(fd)
         try:
             st = os.fstat(fd)
             if st.st_size != spec.size or (spec.ino and st.st_ino != spec.ino):
@@ -546,9 +564,9 @@ class Segment:
                     f"{spec.owner_pid}: that descriptor now names another file; the owner gave "
                     "the segment back (closed it)",
                 )
-            return cls(fd, spec.size, spec.backend, spec.owner_pid, spec.fd, populate, st.st_ino)
+            return cls(box, spec.size, spec.backend, spec.owner_pid, spec.fd, populate, st.st_ino)
         except BaseException:
-            os.close(fd)
+            box.close()
             raise
 
     def let_go_after_fork(self, keep: list[tuple[int, int]]) -> None:
@@ -564,8 +582,9 @@ class Segment:
                 at = max(at, lo + n)
             if at < end:
                 forsake(at, end - at)
-        if self._fd_closer is not None and self._fd_closer.detach() is not None:
-            os.close(self._fd)  # the inherited copy: the owner keeps its own
+        gone = self._fd_closer.detach() if self._fd_closer is not None else None
+        if gone is not None:
+            gone[1]()  # close the inherited copy: the owner keeps its own
         self._fd = -1
 
     def punch(self, offset: int, nbytes: int) -> bool:

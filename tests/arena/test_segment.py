@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import multiprocessing as mp
@@ -356,3 +357,36 @@ def test_privatize_keeps_the_bytes_and_parts_a_range_from_the_shared_segment(bac
     finally:
         other.close()
         owner.close()
+
+
+def test_an_interruption_while_a_segment_is_made_never_closes_a_descriptor_twice(monkeypatch):
+    # Review 11: interrupted after the segment's finalizer was registered, the error path
+    # closed the descriptor, and the half-made segment's finalizer later closed the same number
+    # again: by then another file's.
+    import arena.segment as seg
+
+    real, number = seg.weakref.finalize, []
+
+    def registered_then_interrupted(obj, *args, **kwargs):
+        done = real(obj, *args, **kwargs)
+        if isinstance(obj, seg.Segment):
+            number.append(obj._fd)
+            raise KeyboardInterrupt  # as a Ctrl-C landing right after it would
+        return done
+
+    monkeypatch.setattr(seg.weakref, "finalize", registered_then_interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:  # its frames keep the half-made segment
+        seg.Segment.create(1 << 16, "memfd")
+    monkeypatch.undo()
+    opened = []
+    try:
+        while not opened or opened[-1] != number[0]:  # a file of ours takes that number
+            opened.append(os.open(os.devnull, os.O_RDONLY))
+            assert len(opened) < 100
+        del caught
+        gc.collect()  # the half-made segment goes, and its finalizer runs
+        os.fstat(number[0])  # still ours: EBADF before the fix
+    finally:
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
