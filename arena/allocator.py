@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from arena import segment
 from arena._layout import page_align
 from arena.errors import ArenaCapacityError, ArenaDescriptorError, StaleSlotError
 from arena.segment import Backend, mem_available_bytes
@@ -250,11 +249,6 @@ class Arena:
         nslots = min(max(self.slots_per_slab, in_class), room // size)
         if nslots < 1:
             return False
-        if self.backend is Backend.POSIX:
-            # /dev/shm's free space bounds a POSIX slab too: a smaller slab that fits beats an
-            # error for one that does not (with none free, creating it raises with the numbers).
-            fits = segment.shm_free_bytes() // size
-            nslots = min(nslots, fits) if fits else nslots
         try:
             slab = Slab.create(next(self._ids), size, nslots, self.backend)
         except ArenaDescriptorError as e:

@@ -541,18 +541,3 @@ def test_near_the_cap_a_new_class_is_the_request_not_a_doubling():
         acquire(arena, 2 * PAGE)
         big = acquire(arena, 3 * PAGE)
         assert arena.slot_size(big) == 3 * PAGE
-
-
-def test_a_posix_slab_takes_only_the_slots_dev_shm_has_room_for(monkeypatch):
-    # Review 10b: with 7 slots' room left in /dev/shm, a posix arena asked for a slab of 20
-    # slots and failed; now it makes the 7 (and raises, with the numbers, only with no room).
-    slot = 64 << 10
-    monkeypatch.setattr("arena.segment.shm_free_bytes", lambda path="/dev/shm": 3 * slot + 100)
-    with closing(Arena(backend="posix", slots_per_slab=8, max_bytes=64 * slot)) as arena:
-        arena.acquire(slot - 512)
-        assert arena.stats().slots_total == 3
-        monkeypatch.setattr("arena.segment.shm_free_bytes", lambda path="/dev/shm": 0)
-        refs = [arena.acquire(slot - 512) for _ in range(2)]  # the slab's other two
-        assert all(r is not None for r in refs)
-        with pytest.raises(ArenaCapacityError, match="/dev/shm is too small"):
-            arena.acquire(slot - 512)
