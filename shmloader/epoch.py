@@ -181,8 +181,13 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         if self.failure is not None:
             raise RuntimeError(f"this DataLoader iterator is unusable: {self.failure}")
         d = self._dispatch
-        while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
-            self._receive()
+        try:
+            while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
+                self._safe = False
+                self._receive()
+        except BaseException as e:
+            self._left(e)
+            raise
         in_epoch = not self._ended
         return {
             "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
@@ -216,16 +221,20 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         try:
             return self._next_batch()
         except BaseException as e:
-            # Where it left from (shmloader.interrupts): a safe place, or one of our own errors?
-            safe = self._safe or self._sup.polling or isinstance(e, DESIGNED)
-            self._safe = self._sup.polling = False
-            if not safe and self.failure is None:
-                self.failure = unusable_after(e)
-                if touched_the_books(e):
-                    self._host.retired = True  # the arena's books may be half-changed too
-                self._sup.kill()
-                self._shutdown_workers()
+            self._left(e)
             raise
+
+    def _left(self, e: BaseException) -> None:
+        """``e`` is leaving ``next()`` or ``state_dict()``: from a safe place, or as one of our
+        own errors, it changes nothing; else the iterator is unusable (shmloader.interrupts)."""
+        safe = self._safe or self._sup.polling or isinstance(e, DESIGNED)
+        self._safe = self._sup.polling = False
+        if not safe and self.failure is None:
+            self.failure = unusable_after(e)
+            if touched_the_books(e):
+                self._host.retired = True  # the arena's books may be half-changed too
+            self._sup.kill()
+            self._shutdown_workers()
 
     def _next_batch(self) -> Any:
         self._safe = False  # from here on an interruption may leave a change half done

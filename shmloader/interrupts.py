@@ -20,8 +20,9 @@ Invariants:
   errors raised where its books are whole (``DESIGNED``; the timeout, a dead worker, a worker's
   exception re-raised, an inherited iterator: each marks the place safe before it raises),
   changes nothing: the same iterator goes on.
-- Any other exception marks the iterator unusable at once: its workers are stopped and its slots
-  reclaimed, as after a worker's death; its next call raises an error saying why, and
+- Any other exception (from ``next()``, or from ``state_dict()`` while it waits for an
+  abandoned epoch's answers) marks the iterator unusable at once: its workers are stopped and
+  its slots reclaimed, as after a worker's death; its next call raises an error saying why, and
   ``iter(loader)`` starts over. It never hangs waiting for a batch the interruption lost.
 - When that exception went through the arena's or the lease table's own code
   (:func:`touched_the_books`), the loader's arena is retired too: the next iterator makes a fresh

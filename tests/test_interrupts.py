@@ -159,3 +159,21 @@ def test_an_interruption_of_the_wait_for_workers_changes_nothing(
             break
     assert interrupted == 1
     assert firsts(got) == ALL  # nothing lost, nothing twice
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_while_state_dict_waits_for_an_abandoned_epoch_says_so(
+    interrupt_once: Any,
+) -> None:
+    loader = shmloader.DataLoader(
+        Rows(), batch_size=4, num_workers=2, persistent_workers=True, timeout=30
+    )
+    it = iter(loader)
+    next(it)
+    iter(loader)  # the epoch is abandoned: its tasks in flight answer into the next one
+    interrupt_once(ShmDataLoaderIter, "_handle", 1)  # the first of those answers
+    with pytest.raises(KeyboardInterrupt):
+        loader.state_dict()
+    with pytest.raises(RuntimeError, match="interrupted by KeyboardInterrupt"):
+        loader.state_dict()  # before: a lost answer, then a wait without end (or "timed out")
+    assert firsts(list(loader)) == ALL  # a fresh iterator, from the epoch's start
