@@ -574,7 +574,7 @@ class Dispatch:
             else ""
         )
         others = [i for d in self._others() for i in [*d.tasks, *d.arrived] if i.ref is not None]
-        other_bytes = sum(self.arena.slot_size(i.ref) for i in others if i.ref is not None)
+        other_bytes = sum(self.arena.slot_size(i.ref) for i in others)
         elsewhere = (
             f"; another live iterator of this loader holds {len(others)} slots "
             f"({other_bytes:,} bytes) for batches it prefetched (finish it, or drop it)"

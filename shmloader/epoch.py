@@ -183,7 +183,6 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
         d = self._dispatch
         try:
             while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
-                self._safe = False
                 self._receive()
         except BaseException as e:
             self._left(e)
@@ -261,11 +260,12 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
                     self._leases.drain()
                 raise StopIteration
             self._receive()
-            self._safe = False
 
     def _receive(self) -> None:
         """Wait for worker frames (unless some read before an interruption are still in the
-        inbox) and handle every one of them."""
+        inbox) and handle every one of them. Safe to interrupt only in the wait and between
+        frames (``_safe``); it returns with ``_safe`` false, as it found it."""
+        self._safe = False
         d, inbox = self._dispatch, self._sup.inbox
         deaths: list[WorkerDeath] = []
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
@@ -284,6 +284,7 @@ class ShmDataLoaderIter(_BaseDataLoaderIter):
             self._safe = False
             wid, frame = inbox.popleft()
             self._handle(wid, P.decode(frame))  # type: ignore[arg-type]
+        self._safe = False
         if deaths:
             self._fail(deaths)
 

@@ -90,7 +90,7 @@ class ArenaHost:
             arena = self.arena.stats()
             kept, kept_bytes = leases.kept, leases.kept_bytes
             spilled = leases.spilled()
-        rings = sum(r.nbytes for r in list(self.rng_rings) if r.open)
+        rings = sum(r.nbytes for r in list(self.rng_rings))
         return LoaderStats(
             arena, held, self.pinner.pinned_bytes, self.worker_pids,
             slots_kept=kept, bytes_kept=kept_bytes,

@@ -178,7 +178,6 @@ class RngRing:
     def __init__(self, slab: Slab, depth: int) -> None:
         self.slab = slab
         self.depth = depth
-        self.open = True  # False once closed (stats count only open rings)
         self._count = 0  # publisher side: snapshots written by this worker
 
     @classmethod
@@ -222,9 +221,8 @@ class RngRing:
 
     @property
     def nbytes(self) -> int:
-        """The ring's shared memory, in bytes (whole pages)."""
-        return self.slab.size
+        """The ring's shared memory, in bytes (whole pages); 0 once closed."""
+        return 0 if self.slab.segment.closed else self.slab.size
 
     def close(self) -> None:
-        self.open = False
         self.slab.close()
