@@ -136,10 +136,11 @@ class SamplerProgress:
     sending them.
     """
 
-    __slots__ = ("done", "next", "of_seq", "prefix", "skip")
+    __slots__ = ("count", "done", "next", "of_seq", "prefix", "skip")
 
     def __init__(self, start: int = 0, consumed_past: tuple[int, ...] | list[int] = ()) -> None:
         self.next = start  # sampler position of the next index drawn
+        self.count = start  # batches consumed (yielded, or raised; never produced again)
         self.skip = set(consumed_past)  # consumed before a resume: drawn, never sent
         self.prefix = start  # in_order=False: positions below it are all consumed ...
         self.done = set(self.skip)  # ... and these past it
@@ -155,6 +156,10 @@ class SamplerProgress:
             index = next_index()
         self.next += 1
         return index
+
+    def record(self, in_order: bool) -> tuple[int, list[int]]:
+        """What a saved state records: the consumed prefix, and the positions past it."""
+        return (self.count, []) if in_order else (self.prefix, sorted(self.done))
 
     def consumed(self, seq: int) -> None:
         """in_order=False: the batch of task ``seq`` was consumed."""

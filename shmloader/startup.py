@@ -27,6 +27,7 @@ from shmloader._torch_compat import (
     _sharding_worker_init_fn,
 )
 from shmloader.collate import slot_default_collate
+from shmloader.host import ArenaHost
 from shmloader.progress import WorkerProgress
 from shmloader.rngstate import RngRing
 from shmloader.supervisor import Supervisor
@@ -37,7 +38,7 @@ def start_workers(
     it: _BaseDataLoaderIter,
     loader: torch.utils.data.DataLoader[Any],
     plan: dict[str, Any] | None,
-    main_pid: int,
+    host: ArenaHost,
 ) -> tuple[Supervisor, WorkerProgress]:
     """Start ``it``'s workers, with what a loaded state ``plan`` gives them back (see
     :mod:`shmloader.state`); the RNG ring they publish into lives as long as ``it``. Forked
@@ -47,6 +48,7 @@ def start_workers(
     # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
     rng_ring = RngRing.create(nw, (loader.prefetch_factor or 2) + 4, Backend.MEMFD)
     weakref.finalize(it, rng_ring.close)
+    host.rng_rings.add(rng_ring)  # counted by stats() while it lives
     resumed = plan is not None and plan["base_seed"] is not None
     mid_epoch = resumed and plan["in_epoch"]  # type: ignore[index]
     iterable = it._dataset_kind == ITERABLE_KIND
@@ -83,7 +85,7 @@ def start_workers(
             drop_last=it._drop_last,
             base_seed=int(it._base_seed),
             init_fn=init_fn,
-            main_pid=main_pid,
+            main_pid=host.pid,
             shared_seed=it._shared_seed,
             rng_ring=rng_ring.slab.spec,
             rng_depth=rng_ring.depth,
@@ -95,4 +97,8 @@ def start_workers(
     # A supervisor that fails to start tears itself down, and so calls on_exit itself.
     on_exit = afterfork.keep_lent() if ctx.get_start_method() == "fork" else None
     with afterfork.forking_workers():
-        return Supervisor(ctx, configs, on_exit), progress
+        sup = Supervisor(ctx, configs, on_exit)
+    host.worker_pids = tuple(sup.pids)
+    if host.export is not None:
+        host.export.write({"kind": "workers", "pids": list(sup.pids)})
+    return sup, progress
