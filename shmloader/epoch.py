@@ -104,23 +104,39 @@ class ShmDataLoaderIter(NextBatch):
 
     @one_thread("iter()")
     def _reset(self, loader: torch.utils.data.DataLoader[Any], first_iter: bool = False) -> None:
+        # Interruptions follow next()'s rule (shmloader.interrupts): safe until the epoch's first
+        # change to the workers or the dispatch, then only in the sampler's draws.
+        self._safe = True
+        try:
+            self._start_epoch(loader, first_iter)
+        except BaseException as e:
+            self._left(e)
+            raise
+        self._safe = False
+
+    def _start_epoch(self, loader: torch.utils.data.DataLoader[Any], first_iter: bool) -> None:
         plan, self._plan = self._plan, None
         if plan is None or not plan["in_epoch"]:
             plan = None
-            self.epoch_start = EpochStart.capture(loader)
+            start = EpochStart.capture(loader)
         else:
-            self.epoch_start = EpochStart.from_dict(plan["epoch_start"])
-        self.epoch_no: int = loader._epochs_started  # type: ignore[attr-defined]
-        loader._epochs_started += 1  # type: ignore[attr-defined]
-        self._ended = False
+            start = EpochStart.from_dict(plan["epoch_start"])
         # A resumed epoch replays its sampler draws from where they started, skips the batches
         # already consumed without fetching them, then primes as torch does.
-        with self.epoch_start.replay(loader) if plan else contextlib.nullcontext():
+        with start.replay(loader) if plan else contextlib.nullcontext():
             super()._reset(loader, first_iter)
             fast = fast_batches(self._index_sampler)
             if fast is not None:
                 self._sampler_iter = fast
             self._check_usable()
+            # From here on the epoch, the workers and the dispatch change (an interruption that
+            # leaves them half-changed makes the iterator unusable; before, an iter() again redoes
+            # what ran).
+            self._safe = False
+            self.epoch_start = start
+            self.epoch_no: int = loader._epochs_started  # type: ignore[attr-defined]
+            loader._epochs_started += 1  # type: ignore[attr-defined]
+            self._ended = False
             d = self._dispatch
             if plan is None:
                 self._progress.new_epoch()

@@ -1,5 +1,5 @@
-"""Interruptions inside ``next()``: Ctrl-C, exceptions that signal handlers raise, and errors of
-the loader's own bookkeeping.
+"""Interruptions inside ``next()`` (and ``iter()``, ``state_dict()``): Ctrl-C, exceptions that
+signal handlers raise, and errors of the loader's own bookkeeping.
 
 A ``KeyboardInterrupt`` (or any exception a signal handler raises: a ``SIGALRM`` time limit, a
 ``SIGTERM`` handler calling ``sys.exit``, whatever the handler is: a function, a
@@ -13,7 +13,9 @@ windows.
 Safe places (the iterator's ``_safe`` flag, and the supervisor's ``polling``): the ``poll`` of
 the wait for workers' frames (where an idle loader spends its time), between two frames read
 together (the rest wait in the inbox), the sampler's draw (user code: what it raises drops one
-index, as in torch) and rebuilding the batch to return (it is dropped, and its slot freed).
+index, as in torch) and rebuilding the batch to return (it is dropped, and its slot freed); in
+``iter()`` of a persistent iterator, everything before the workers hear of the new epoch (the
+next ``iter()`` redoes it).
 
 Invariants:
 - An exception that leaves ``next()`` from a safe place, or that is one of the loader's own

@@ -97,11 +97,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _get_iterator(self) -> Any:
         plan, self._plan = self._plan, None
-        if self.num_workers == 0:
-            it: Any = SingleProcessIter(self, plan)
-        else:
-            self.check_worker_number_rationality()
-            it = ShmDataLoaderIter(self, self._host_for, plan)
+        try:
+            if self.num_workers == 0:
+                it: Any = SingleProcessIter(self, plan)
+            else:
+                self.check_worker_number_rationality()
+                it = ShmDataLoaderIter(self, self._host_for, plan)
+        except BaseException:
+            self._plan = plan  # no batch came from it: the next iter() resumes from the state
+            raise
         self._live = weakref.ref(it)
         return it
 

@@ -177,3 +177,66 @@ def test_an_interruption_while_state_dict_waits_for_an_abandoned_epoch_says_so(
     with pytest.raises(RuntimeError, match="interrupted by KeyboardInterrupt"):
         loader.state_dict()  # before: a lost answer, then a wait without end (or "timed out")
     assert firsts(list(loader)) == ALL  # a fresh iterator, from the epoch's start
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 4], ids=["resume-0", "resume-1", "task-0", "task-1"])
+@frees_its_loaders_on_failure
+def test_an_interrupted_iter_of_persistent_workers_loses_no_batch(
+    interrupt_once: Any, at: int
+) -> None:
+    """Review 12: ``iter(loader)`` of a persistent iterator tells its workers the new epoch and
+    primes them with tasks; an interruption there left a task recorded but unsent (or a worker
+    a RESUME short), and the next epoch waited for it forever."""
+    loader = shmloader.DataLoader(
+        Rows(), batch_size=4, num_workers=2, persistent_workers=True, timeout=30
+    )
+    held = list(loader)[:2]
+    loader.stats()  # the slots of the batches dropped are free for the next epoch's tasks
+    it = loader._iterator
+    interrupt_once(Supervisor, "send", at)  # RESUME to worker 0, to worker 1, then the tasks
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    with pytest.raises(RuntimeError, match="interrupted by KeyboardInterrupt"):
+        next(it)  # before: "timed out after 30 seconds"
+    assert all(not p.is_alive() for p in it._workers), "its workers were not stopped"
+    assert firsts(list(loader)) == ALL  # a fresh iterator, on fresh workers
+    assert firsts(list(loader)) == ALL
+    assert firsts(held) == ALL[:2]  # batches held from before stay intact
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_of_iter_before_it_changes_anything_changes_nothing(
+    interrupt_once: Any,
+) -> None:
+    """An interruption while ``iter(loader)`` only asks the sampler for its iterator (before the
+    workers hear of the epoch) leaves the persistent iterator whole, and its epoch count too."""
+    loader = shmloader.DataLoader(
+        Rows(), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True, timeout=30
+    )
+    list(loader)
+    it = loader._iterator
+    pids = loader.stats().worker_pids
+    interrupt_once(torch.utils.data.BatchSampler, "__iter__", 1)
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert loader.state_dict()["epoch"] == 1 and not loader.state_dict()["in_epoch"]
+    assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(40))  # same workers
+    assert loader._iterator is it and it.failure is None
+    assert loader.stats().worker_pids == pids
+
+
+@frees_its_loaders_on_failure
+def test_an_interrupted_first_iter_after_load_state_dict_still_resumes(interrupt_once: Any) -> None:
+    def make() -> shmloader.DataLoader[Any]:
+        return shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+
+    saved = make()
+    it = iter(saved)
+    next(it), next(it), next(it)
+    state = saved.state_dict()
+    loader = make()
+    loader.load_state_dict(state)
+    interrupt_once(torch.utils.data.BatchSampler, "__iter__", 1)
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert firsts(list(loader)) == ALL[3:]  # before: the state was dropped, ALL from the start
