@@ -38,6 +38,10 @@ Invariants:
   and another live iterator's batches in flight) leaves no room.
 - A slab the arena gives back is detached from the workers of every live iterator that
   attached it (:meth:`_forget_slab`), so no worker keeps memory the arena no longer counts.
+- Another iterator's tasks are changed (spilled, or its workers told to detach) only under that
+  iterator's lock, taken without waiting: one another thread is inside is left alone (its
+  finished batches are not spilled; it detaches the slab itself at its next ``next()`` or
+  ``iter()``).
 - Every slot a task holds is named once (``ref``) and released exactly once: with the batch's
   lease, when it is spilled, when its task fails or is skipped, when its answer belongs to an
   abandoned epoch (``orphans``), when its worker's replica ended before it, or at teardown.
@@ -46,6 +50,7 @@ Invariants:
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -97,9 +102,18 @@ class Dispatch:
     """The tasks of one iterator and the slots bound to them."""
 
     def __init__(
-        self, host: ArenaHost, sup: Supervisor, num_workers: int, max_tasks: int, in_order: bool
+        self,
+        host: ArenaHost,
+        sup: Supervisor,
+        num_workers: int,
+        max_tasks: int,
+        in_order: bool,
+        lock: threading.RLock,
     ) -> None:
         self.host = host
+        # The iterator's lock (shmloader.onethread): another iterator of the loader changes this
+        # one's tasks (spills its batches, detaches a slab) only while it holds it.
+        self.lock = lock
         self.arena = host.arena
         self.sup = sup
         self.num_workers = num_workers
@@ -119,6 +133,7 @@ class Dispatch:
         self._next_worker = 0
         self._forced: deque[int] = deque()  # workers of a resumed epoch's first tasks
         self._known_slabs: set[int] = set()  # slabs this iterator's workers were told to attach
+        self.detach_later: set[int] = set()  # given back while another thread was inside it
         host.dispatches.add(self)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -462,26 +477,37 @@ class Dispatch:
         size = self.arena.slot_size
         later = [i for i in self.tasks if i.seq > info.seq and type(i.answer) is P.Ready]
         later.sort(key=lambda i: (size(i.answer.ref) >= nbytes, i.seq), reverse=True)  # type: ignore[union-attr]
-        # Then the finished batches another live iterator of the loader prefetched: the user
-        # is not iterating it now (they wait, spilled, for its next()).
-        later += [i for d in self._others() for i in d.ready_tasks()]
-        for victim in later:
-            ready = victim.answer
-            assert type(ready) is P.Ready
-            victim.answer = self.host.leases.spill(ready)
-            victim.ref = None
-            self.arena.release(ready.ref)
-            # The freed room goes to this task only (an offer could hand it to a later one):
-            # the slot itself if it fits; else idle slabs and free slots give their memory
-            # back, and the arena grows into it.
-            ref = self._acquire(nbytes, grow=False)
-            if ref is not None:
-                self._give(info, ref)
-                return True
-            self._make_room()
-            if self._grow_for(info, nbytes):
-                return True
+        if any(self._spill_for(info, nbytes, victim) for victim in later):
+            return True
+        # Then the finished batches another live iterator of the loader prefetched, under its
+        # lock: one another thread is inside now is left alone (its batches are on their way
+        # to its user; spilling one it is lending would free a slot the user then holds).
+        for d in self._others():
+            if not d.lock.acquire(blocking=False):
+                continue
+            try:
+                if any(self._spill_for(info, nbytes, victim) for victim in d.ready_tasks()):
+                    return True
+            finally:
+                d.lock.release()
         return False
+
+    def _spill_for(self, info: TaskInfo[Answer], nbytes: int, victim: TaskInfo[Answer]) -> bool:
+        """Spill ``victim``'s finished batch; whether ``info`` then got a slot of ``nbytes``."""
+        ready = victim.answer
+        assert type(ready) is P.Ready
+        victim.answer = self.host.leases.spill(ready)
+        victim.ref = None
+        self.arena.release(ready.ref)
+        # The freed room goes to this task only (an offer could hand it to a later one): the
+        # slot itself if it fits; else idle slabs and free slots give their memory back, and
+        # the arena grows into it.
+        ref = self._acquire(nbytes, grow=False)
+        if ref is not None:
+            self._give(info, ref)
+            return True
+        self._make_room()
+        return self._grow_for(info, nbytes)
 
     def _make_room(self) -> None:
         """At the cap: give back idle slabs, and hollow free slots beside held ones (neither
@@ -540,7 +566,18 @@ class Dispatch:
         self.host.pinner.unregister(slab_id)
         self.host.leases.forget_slab(slab_id)
         for d in list(self.host.dispatches):
-            d._detach(slab_id)
+            if not d.lock.acquire(blocking=False):  # (this iterator's own: re-entered at once)
+                d.detach_later.add(slab_id)  # another thread is inside it: it detaches it later
+                continue
+            try:
+                d._detach(slab_id)
+            finally:
+                d.lock.release()
+
+    def detach_deferred(self) -> None:
+        """Detach the slabs given back while another thread was inside this iterator."""
+        while self.detach_later:
+            self._detach(self.detach_later.pop())
 
     def _detach(self, slab_id: int) -> None:
         if slab_id not in self._known_slabs:
@@ -577,7 +614,8 @@ class Dispatch:
         other_bytes = sum(self.arena.slot_size(i.ref) for i in others)
         elsewhere = (
             f"; another live iterator of this loader holds {len(others)} slots "
-            f"({other_bytes:,} bytes) for batches it prefetched (finish it, or drop it)"
+            f"({other_bytes:,} bytes) for batches it prefetched (finish it, or drop it; "
+            "iterators used at once, in one thread or several, share arena_max_bytes)"
             if others
             else ""
         )

@@ -91,7 +91,7 @@ class ShmDataLoaderIter(NextBatch):
         self._sup, self._progress = start_workers(self, loader, plan, host)
         self._workers = self._sup.procs  # torch's name: pid, exitcode, is_alive(), join()
         max_tasks = (loader.prefetch_factor or 2) * nw
-        self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order)
+        self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order, self._lock)
         # Dropped, exhausted or failed: stop the workers, then give back every slot in flight.
         self._finalizer = weakref.finalize(
             self, _teardown, self._pid, self._sup, self._dispatch, self._leases
@@ -138,6 +138,7 @@ class ShmDataLoaderIter(NextBatch):
             loader._epochs_started += 1  # type: ignore[attr-defined]
             self._ended = False
             d = self._dispatch
+            d.detach_deferred()
             if plan is None:
                 self._progress.new_epoch()
             if not first_iter:

@@ -106,6 +106,8 @@ class NextBatch(_BaseDataLoaderIter):
         d, leases = self._dispatch, self._leases
         if (leases.dead or leases.fence) and leases.drain():
             d.offer()  # slots of batches whose views died (and whose copies ended) since then
+        if d.detach_later:
+            d.detach_deferred()  # slabs given back while another thread was inside this one
         while True:
             info = d.next_answer(d.status.__getitem__)
             if info is not None:

@@ -10,11 +10,16 @@ the cap stayed mapped (and allocated) by the other iterator's workers, above the
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Any
 
+import pytest
 import torch
 
 import shmloader
+from arena import ArenaExhaustedError
+from shmloader.lease import Leases
 from tests.lifetime_checks import frees_its_loaders_on_failure
 from tests.test_at_the_cap import LOADER_TIMEOUT_S, LateBatch, expected
 
@@ -97,3 +102,77 @@ def test_a_slab_given_back_is_unmapped_by_every_live_iterators_workers():
     )
     assert [int(b[0, 0]) for b in held] == [0, 4, 8]
     del held, idle, busy
+
+
+def _late_first_iterator() -> tuple[LateBatch, Any, Any, list[Any]]:
+    """The first test's scene: the first iterator has finished batches in slots, and the
+    second iterator's next batches need their room."""
+    data = LateBatch(4 * 20, batch_size=4, width=1000)
+    loader = shmloader.DataLoader(
+        data, batch_size=4, num_workers=2, prefetch_factor=3, arena_max_bytes=8 * SLOT,
+        arena_slots_per_slab=8, timeout=LOADER_TIMEOUT_S,
+    )  # fmt: skip
+    for _ in loader:
+        pass
+    data.late, data.after = 0, 4 * 5
+    first = iter(loader)
+    kept_first = [next(first)]
+    return data, loader, first, kept_first
+
+
+@frees_its_loaders_on_failure
+def test_another_iterators_batches_are_spilled_only_under_its_lock(monkeypatch: Any) -> None:
+    """Review 12: a thread at the cap spilled the finished batches of an iterator another
+    thread was lending from at that moment; the slot of a batch that thread then held was
+    freed, and rewritten (or its lend raised ``StaleSlotError``)."""
+    data, loader, first, kept_first = _late_first_iterator()
+    locked: list[bool] = []
+    spill = Leases.spill
+
+    def watched(self: Leases, ready: Any) -> Any:
+        locked.append(first._lock._is_owned())  # type: ignore[attr-defined]
+        return spill(self, ready)
+
+    monkeypatch.setattr(Leases, "spill", watched)
+    second = iter(loader)
+    held = next(second)
+    for k in range(1, 20):
+        x, y = next(second)
+        assert all(map(torch.equal, (x, y), expected(data, k))), f"batch {k} is wrong"
+        del x, y
+    assert locked, "no batch of the first iterator was spilled: the scene did not happen"
+    assert all(locked), "the first iterator's batches were spilled without its lock"
+    assert all(map(torch.equal, held, expected(data, 0)))
+    for k, (x, y) in enumerate(first, start=1):
+        assert all(map(torch.equal, (x, y), expected(data, k))), f"first iterator's {k} is wrong"
+    assert all(map(torch.equal, kept_first[0], expected(data, 0)))
+
+
+@frees_its_loaders_on_failure
+def test_an_iterator_another_thread_is_inside_keeps_its_finished_batches() -> None:
+    data, loader, first, kept_first = _late_first_iterator()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with first._lock:  # as while that thread runs next(first)
+            inside.set()
+            leave.wait(LOADER_TIMEOUT_S)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        assert inside.wait(LOADER_TIMEOUT_S)
+        second = iter(loader)
+        held = next(second)
+        with pytest.raises(ArenaExhaustedError, match="another live iterator of this loader"):
+            for _ in range(1, 20):
+                next(second)  # before: the first iterator's finished batches were spilled
+        assert loader.stats().batches_spilled == 0
+    finally:
+        leave.set()
+        t.join()
+    assert all(map(torch.equal, held, expected(data, 0)))
+    del held, second
+    for k, (x, y) in enumerate(first, start=1):
+        assert all(map(torch.equal, (x, y), expected(data, k))), f"first iterator's {k} is wrong"
+    assert all(map(torch.equal, kept_first[0], expected(data, 0)))

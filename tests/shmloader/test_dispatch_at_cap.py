@@ -3,6 +3,7 @@ needed next waits, rather than raise, while slots it could use are still coming 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from types import SimpleNamespace
@@ -38,7 +39,7 @@ def host() -> Iterator[ArenaHost]:
 
 def blocked_head(host: ArenaHost) -> Dispatch:
     """Every slot taken: three lent to the user; the head (task 0 of worker 0) asks for one."""
-    d = Dispatch(host, FakeSupervisor(2), num_workers=2, max_tasks=4, in_order=True)  # type: ignore[arg-type]
+    d = Dispatch(host, FakeSupervisor(2), 2, 4, True, threading.RLock())  # type: ignore[arg-type]
     host.largest = PAGE
     refs = [host.arena.acquire(PAGE) for _ in range(4)]
     for ref in refs[:3]:
