@@ -57,12 +57,13 @@ HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_dev
 def _teardown(pid: int, sup: Supervisor, dispatch: Dispatch, leases: Leases) -> None:
     """Stop the workers, then queue every slot the iterator holds for release. May run inside
     the garbage collector: it takes no lock and leaves the releases to the next safe point."""
-    if os.getpid() != pid:
-        return  # inherited through fork(): the workers and slots are the parent's
     try:
-        sup.shutdown()
+        if os.getpid() == pid:  # inherited through fork(): the workers and slots are the parent's
+            sup.shutdown()
     finally:
-        leases.dead.extend(dispatch.all_slots())
+        if os.getpid() == pid:
+            sup.kill()  # reaps at once; ends any worker an interruption left running
+            leases.dead.extend(dispatch.all_slots())  # no worker of it can write them now
 
 
 class ShmDataLoaderIter(NextBatch):

@@ -151,10 +151,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 "of it is mid-epoch): load the state before iterating, into a fresh DataLoader"
             )
         sd = S.check(self, state_dict)
-        if isinstance(self._iterator, ShmDataLoaderIter):  # an idle persistent iterator
-            self._iterator._shutdown_workers()
-        self._iterator = None
-        self._live = None
+        # An idle persistent iterator is let go before its workers stop: an interruption
+        # between the two must not leave the loader reusing an iterator whose pipes are closed.
+        old, self._iterator, self._live = self._iterator, None, None
+        if isinstance(old, ShmDataLoaderIter):
+            old._shutdown_workers()
         if not sd["in_epoch"]:
             S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
         rngstate.restore(sd["main_rng"])
@@ -200,10 +201,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                                             self._default_slots_per_slab())
 
     def __iter__(self) -> Any:
-        # A persistent iterator whose workers died, or one inherited through fork() (its
-        # workers are the parent's), is replaced instead of reset.
+        # A persistent iterator whose workers died or were stopped, or one inherited through
+        # fork() (its workers are the parent's), is replaced instead of reset.
         it = self._iterator
-        if isinstance(it, ShmDataLoaderIter) and (it.failure is not None or not it.here):
+        if isinstance(it, ShmDataLoaderIter) and (
+            it.failure is not None or not it.here or it._sup.stopped
+        ):
             self._iterator = None
         return super().__iter__()
 

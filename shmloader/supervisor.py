@@ -95,6 +95,7 @@ class Supervisor:
         self.conns: list[Connection] = []
         self.retired: set[int] = set()
         self._stopped = False
+        self._closed = False  # the pipes are closed: their descriptor numbers may be reused
         self._poll: select.poll | None = None
         self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
         self._bufs: list[bytearray] = [bytearray() for _ in configs]  # bytes read, not yet cut
@@ -104,6 +105,9 @@ class Supervisor:
         # True only inside the poll of wait(): an interruption there leaves nothing half done
         # (shmloader.interrupts); whoever catches one resets it.
         self.polling = False
+        # Workers whose supervisor is dropped unstopped (an interruption before its iterator
+        # registered its teardown) are killed and reaped, not left running.
+        weakref.finalize(self, _end_unstopped, os.getpid(), self.procs)
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
@@ -150,6 +154,8 @@ class Supervisor:
     def send(self, worker_id: int, msg: P.ToWorker) -> None:
         """Send ``msg`` without blocking: what the pipe cannot take now waits in the worker's
         outbox. A broken pipe means the worker died, which :meth:`wait` reports."""
+        if self._closed:
+            raise RuntimeError(_CLOSED)
         data = framed(P.encode(msg))
         box = self._outbox[worker_id]
         if box:
@@ -245,6 +251,8 @@ class Supervisor:
         are cut from a per-worker buffer; a partial frame waits there for the rest). Frames stay
         in the inbox until their reader takes them, so an exception (Ctrl-C) while they are
         handled loses none of those not yet taken."""
+        if self._closed:
+            raise RuntimeError(_CLOSED)
         poller = self._poller()
         frames = self.inbox
         gone: set[int] = set()
@@ -322,10 +330,30 @@ class Supervisor:
             if p.exitcode is None:
                 p.kill()
                 p.join(KILL_S)
+        # Their descriptor numbers may name the user's files from now on: never poll, read or
+        # write them again.
+        self._closed = True
+        self._poll = None
         for c in self.conns:
             c.close()
         # The process objects stay open: the iterator exposes them as torch's ``_workers``
         # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
+
+
+_CLOSED = (
+    "this DataLoader iterator's workers were shut down and their pipes closed; iterate the "
+    "DataLoader again to start fresh workers"
+)
+
+
+def _end_unstopped(pid: int, procs: list[Any]) -> None:
+    if os.getpid() != pid:
+        return  # inherited through fork(): they are the parent's
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(KILL_S)
 
 
 def _reaped_elsewhere(pid: int) -> bool:

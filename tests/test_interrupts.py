@@ -9,6 +9,9 @@ its workers stopped; iterating the loader again starts over (``shmloader.interru
 
 from __future__ import annotations
 
+import gc
+import os
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import shmloader
+from shmloader import protocol as P
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.lease import Leases
 from shmloader.supervisor import Supervisor
@@ -240,3 +244,101 @@ def test_an_interrupted_first_iter_after_load_state_dict_still_resumes(interrupt
     with pytest.raises(KeyboardInterrupt):
         iter(loader)
     assert firsts(list(loader)) == ALL[3:]  # before: the state was dropped, ALL from the start
+
+
+@frees_its_loaders_on_failure
+def test_an_interrupted_load_state_dict_never_touches_closed_pipes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Review 12: ``load_state_dict()`` stops an idle persistent iterator's workers, then let it
+    go; interrupted between the two, the loader kept it, and the next epoch wrote its frames to
+    the closed pipes' descriptor numbers, which the user's files had taken meanwhile."""
+    loader = shmloader.DataLoader(
+        Rows(), batch_size=4, num_workers=2, persistent_workers=True, timeout=30
+    )
+    state = loader.state_dict()
+    assert firsts(list(loader)) == ALL
+    stop = ShmDataLoaderIter._shutdown_workers
+
+    def stopped_then_interrupted(self: ShmDataLoaderIter) -> None:
+        stop(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ShmDataLoaderIter, "_shutdown_workers", stopped_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        loader.load_state_dict(state)
+    monkeypatch.undo()
+    files = [open(tmp_path / f"user{i}.log", "w+b") for i in range(4)]  # noqa: SIM115
+    try:
+        assert firsts(list(loader)) == ALL
+        for f in files:
+            f.seek(0)
+            assert f.read() == b"", f"the loader wrote into the user's file {f.name}"
+    finally:
+        for f in files:
+            f.close()
+
+
+@frees_its_loaders_on_failure
+def test_a_stopped_supervisor_refuses_to_use_its_closed_pipes() -> None:
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, persistent_workers=True)
+    list(loader)
+    sup = loader._iterator._sup
+    loader._iterator._shutdown_workers()
+    with pytest.raises(RuntimeError, match="workers were shut down and their pipes closed"):
+        sup.send(0, P.Stop())
+    with pytest.raises(RuntimeError, match="workers were shut down and their pipes closed"):
+        sup.wait(0)
+    assert firsts(list(loader)) == ALL  # the loader replaces the stopped iterator
+
+
+def _reaped(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")  # (a zombie is not reaped)
+
+
+@frees_its_loaders_on_failure
+def test_workers_of_an_iterator_interrupted_while_it_is_made_are_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 12: an interruption after the workers started and before the iterator registered
+    its teardown left them running (then unreaped) after the loader was gone."""
+    from shmloader.dispatch import Dispatch
+
+    pids: list[int] = []
+    made = Dispatch.__init__
+
+    def interrupted(self: Dispatch, host: Any, sup: Supervisor, *args: Any) -> None:
+        pids.extend(sup.pids)
+        raise KeyboardInterrupt
+
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    monkeypatch.setattr(Dispatch, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        iter(loader)
+    monkeypatch.setattr(Dispatch, "__init__", made)
+    traceback.clear_frames(caught.tb)
+    del caught
+    gc.collect()
+    assert len(pids) == 2 and all(map(_reaped, pids)), "its workers were left behind"
+    assert firsts(list(loader)) == ALL
+
+
+@frees_its_loaders_on_failure
+def test_an_interrupted_teardown_ends_the_workers_before_their_slots_go_back(
+    interrupt_once: Any,
+) -> None:
+    """An interruption as a dropped iterator's teardown begins (Ctrl-C, or a signal handler,
+    while the garbage collector runs it): its slots came back while its workers still ran, free
+    for the next batches while those workers could still write them."""
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    next(it)
+    workers = list(it._workers)
+    interrupt_once(Supervisor, "shutdown", 1)
+    with pytest.raises(KeyboardInterrupt):
+        it._finalizer()
+    assert all(p.exitcode is not None for p in workers), "a worker outlived the slot hand-back"
+    del it
+    st = loader.stats()
+    assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
+    assert firsts(list(loader)) == ALL
