@@ -111,7 +111,7 @@ class ShmDataLoaderIter(NextBatch):
         try:
             self._start_epoch(loader, first_iter)
         except BaseException as e:
-            self._left(e)
+            self._left(e, "iter()")
             raise
         self._safe = False
 
@@ -166,7 +166,7 @@ class ShmDataLoaderIter(NextBatch):
             while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
                 self._receive()
         except BaseException as e:
-            self._left(e)
+            self._left(e, "state_dict()")
             raise
         in_epoch = not self._ended
         yielded, extra = self._at.record(d.in_order) if in_epoch else (0, [])

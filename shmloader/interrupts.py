@@ -60,10 +60,11 @@ def touched_the_books(exc: BaseException) -> bool:
     return False
 
 
-def unusable_after(exc: BaseException) -> str:
-    """Why an iterator that ``exc`` left half-way through a change cannot go on."""
+def unusable_after(exc: BaseException, where: str) -> str:
+    """Why an iterator that ``exc`` left half-way through a change (in ``where``: ``next()``,
+    ``iter()`` or ``state_dict()``) cannot go on."""
     return (
-        f"its next() was interrupted by {type(exc).__name__} while it was recording its "
+        f"its {where} was interrupted by {type(exc).__name__} while it was recording its "
         "workers' answers or sending them tasks (not while waiting for them), so going on could "
         "lose a batch or yield one twice; its workers have been stopped and its slots "
         "reclaimed. Iterating the DataLoader again starts fresh workers (the epoch starts "

@@ -78,16 +78,17 @@ class NextBatch(_BaseDataLoaderIter):
         try:
             return self._next_batch()
         except BaseException as e:
-            self._left(e)
+            self._left(e, "next()")
             raise
 
-    def _left(self, e: BaseException) -> None:
-        """``e`` is leaving ``next()`` or ``state_dict()``: from a safe place, or as one of our
-        own errors, it changes nothing; else the iterator is unusable (shmloader.interrupts)."""
+    def _left(self, e: BaseException, where: str) -> None:
+        """``e`` is leaving ``where`` (``next()``, ``iter()``, ``state_dict()``): from a safe
+        place, or as one of our own errors, it changes nothing; else the iterator is unusable
+        (shmloader.interrupts)."""
         safe = self._safe or self._sup.polling or isinstance(e, DESIGNED)
         self._safe = self._sup.polling = False
         if not safe and self.failure is None:
-            self.failure = unusable_after(e)
+            self.failure = unusable_after(e, where)
             if touched_the_books(e):
                 self._host.retired = True  # the arena's books may be half-changed too
             self._sup.kill()
