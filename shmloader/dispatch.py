@@ -42,6 +42,8 @@ Invariants:
   iterator's lock, taken without waiting: one another thread is inside is left alone (its
   finished batches are not spilled; it detaches the slab itself at its next ``next()`` or
   ``iter()``).
+- Every slot taken from the arena is named from that moment (``in_hand``, then its task's
+  ``ref``), so an interruption between the two cannot lose it.
 - Every slot a task holds is named once (``ref``) and released exactly once: with the batch's
   lease, when it is spilled, when its task fails or is skipped, when its answer belongs to an
   abandoned epoch (``orphans``), when its worker's replica ended before it, or at teardown.
@@ -134,6 +136,9 @@ class Dispatch:
         self._forced: deque[int] = deque()  # workers of a resumed epoch's first tasks
         self._known_slabs: set[int] = set()  # slabs this iterator's workers were told to attach
         self.detach_later: set[int] = set()  # given back while another thread was inside it
+        # The slot taken from the arena and not yet given to its task: an interruption between
+        # the two leaves it here, and teardown frees it (all_slots).
+        self.in_hand: SlotRef | None = None
         host.dispatches.add(self)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -212,7 +217,10 @@ class Dispatch:
             out += info.slots()
         for orphan in self.orphans.values():
             out += orphan.slots
+        if self.in_hand is not None and self.in_hand not in out:
+            out.append(self.in_hand)
         self.tasks, self.arrived, self.orphans = TaskTable(), deque(), {}
+        self.in_hand = None
         return out
 
     def drop(self, seq: int) -> None:
@@ -280,6 +288,7 @@ class Dispatch:
             self.unsent[info.seq] = index
             return
         info.ref = ref
+        self.in_hand = None
         self.sup.send(wid, P.Task(info.seq, self.epoch, ref, index))
 
     # -- slots ----------------------------------------------------------------------------------
@@ -347,6 +356,7 @@ class Dispatch:
         self.host.largest = max(self.host.largest, self.wanting.get(info.seq, 0))
         if info.seq in self.unsent:
             info.ref = ref
+            self.in_hand = None
             index = self.unsent.pop(info.seq)
             self.sup.send(info.worker_id, P.Task(info.seq, self.epoch, ref, index))
         else:
@@ -366,6 +376,7 @@ class Dispatch:
 
     def _grant(self, info: TaskInfo[Answer], ref: SlotRef) -> None:
         info.ref = ref
+        self.in_hand = None
         del self.wanting[info.seq]
         self.asked.discard(info.seq)
         self.sup.send(info.worker_id, P.Grant(info.seq, self.epoch, ref))
@@ -399,6 +410,9 @@ class Dispatch:
         # cap: the user no longer holds them, and they come back when those workers exit.
         past_cap = self.host.leases.kept_bytes if grow else 0
         ref = self.arena.acquire(nbytes, add_slab=grow, past_cap=past_cap)
+        # (No interruption can land between a Python call's return and these stores: from here
+        # the slot is named until its task is, and the two stores that bind it are adjacent.)
+        self.in_hand = ref
         if ref is not None and ref.slab_id not in self._known_slabs:
             self._known_slabs.add(ref.slab_id)
             slab = self.arena.slab(ref.slab_id)

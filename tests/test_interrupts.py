@@ -342,3 +342,21 @@ def test_an_interrupted_teardown_ends_the_workers_before_their_slots_go_back(
     st = loader.stats()
     assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
     assert firsts(list(loader)) == ALL
+
+
+@frees_its_loaders_on_failure
+def test_a_slot_taken_for_a_task_but_not_yet_given_to_it_comes_back(interrupt_once: Any) -> None:
+    """Review 12: an interruption after a slot left the arena for a task and before the task
+    named it lost the slot: it stayed WRITING for good, and the arena had one slot less."""
+    from shmloader.dispatch import Dispatch
+
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    interrupt_once(Dispatch, "_give", 1)  # the first slot given (a GRANT: sizes are unknown)
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            next(it)
+    del it
+    assert firsts(list(loader)) == ALL
+    st = loader.stats()
+    assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
