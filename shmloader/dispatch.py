@@ -25,13 +25,16 @@ Invariants:
   ``in_order=False``) and only when its worker waits for a slot, after waiting for the GPU's
   copies from slots the copy fence holds (:mod:`shmloader.fence`; up to the loader's ``timeout``,
   else without end and with a warning every ``FENCE_WARN_S``); at the cap, slabs whose slots are
-  all free are given back first, then garbage is collected; ``ArenaExhaustedError`` only when
+  all free are given back first, then garbage is collected (for a task whose size is only the
+  largest seen, its worker measures it first); ``ArenaExhaustedError`` only when
   nothing else frees room, with exactly what the user holds. At the cap, free slots in slabs that
   also hold batches are hollowed (their memory goes back; ``arena.Arena.hollow``), and the batch
   needed next takes back room from every batch after it: tasks not yet started (queued behind a
   task their worker waits a slot for) give their slots back (REVOKE); finished later batches are
   copied out of their slots into the main process's memory (*spilled*, counted in ``stats()``);
-  and it waits for later batches still being written to finish, then spills them too; the
+  and it waits for later batches still being written to finish, then spills them too (a wait
+  that lasts ``CAP_WARN_S`` warns, and the timeout's error names it: a slow later sample holds
+  the batch needed next up, which torch's loader, without a cap, never does); the
   finished batches of the loader's other live iterators are spilled as well (their batches in
   flight are not waited for: nobody reads their workers' answers meanwhile, so the error counts
   them). So the error comes only when what the user holds (and slots kept for forked workers,
@@ -69,6 +72,7 @@ from shmloader.supervisor import Supervisor
 Answer = P.Ready | P.Failed | P.Dropped | Spilled
 
 FENCE_WARN_S = 30.0  # a wait for the GPU's copies warns each time this passes without an end
+CAP_WARN_S = 30.0  # a wait at the cap for later batches being written warns once it lasts this
 
 
 def fence_stuck(leases: Leases, waited: float) -> str:
@@ -139,6 +143,9 @@ class Dispatch:
         # The slot taken from the arena and not yet given to its task: an interruption between
         # the two leaves it here, and teardown frees it (all_slots).
         self.in_hand: SlotRef | None = None
+        # (seq, since, warned): the batch needed next waits at the cap for later batches being
+        # written, to copy them out of their slots once they are finished.
+        self.cap_wait: tuple[int, float, bool] | None = None
         host.dispatches.add(self)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -457,11 +464,19 @@ class Dispatch:
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
         leases = self.host.leases
+        guess = seq in self.unsent and seq not in self.asked
         for step in ("drain", "grow", "give back", "collect"):
             if step == "give back":
                 self._revoke_unstarted()
                 self._make_room()
             elif step == "collect":
+                if guess:
+                    # Its size is only a guess (the largest batch so far): let its worker
+                    # measure it and ask for exactly what it needs, which may well fit, before
+                    # collecting garbage and spilling for it (a full collection can take tens
+                    # of milliseconds).
+                    self._measure(info)
+                    return
                 gc.collect()
             # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
             for free in (leases.drain, lambda: self._settle(deadline)):
@@ -471,12 +486,10 @@ class Dispatch:
                         return
             if step != "drain" and self._grow_for(info, nbytes):
                 return
-        if self._spill_after(info, nbytes) or self._slots_coming_back():
+        if self._spill_after(info, nbytes):
             return
-        if seq in self.unsent and seq not in self.asked:
-            # Its size was only a guess (the largest batch so far): let its worker measure it
-            # and ask for exactly what it needs, which may well fit.
-            self._measure(info)
+        if self._slots_coming_back():
+            self._wait_at_cap(seq, nbytes)
             return
         if leases.fence:
             return  # the deadline passed while the GPU still reads held slots: the caller's fires
@@ -553,9 +566,42 @@ class Dispatch:
                 userwarn.warn(fence_stuck(leases, time.monotonic() - since), RuntimeWarning)
         return n
 
-    def gpu_wait(self, waited: float) -> str:
-        """``"; "`` and why a slot is missing, when the copy fence holds slots; else ``""``."""
-        return "; " + fence_stuck(self.host.leases, waited) if self.host.leases.fence else ""
+    def _wait_at_cap(self, seq: int, nbytes: int) -> None:
+        """Task ``seq`` (the batch needed next) waits for later batches being written: warn once
+        if that lasts ``CAP_WARN_S``."""
+        now = time.monotonic()
+        if self.cap_wait is None or self.cap_wait[0] != seq:
+            self.cap_wait = (seq, now, False)
+        _, since, warned = self.cap_wait
+        if not warned and now - since >= CAP_WARN_S:
+            self.cap_wait = (seq, since, True)
+            userwarn.warn(self._cap_stuck(seq, nbytes), RuntimeWarning)
+
+    def _cap_stuck(self, seq: int, nbytes: int) -> str:
+        """Why the batch needed next still waits at the cap (see :meth:`_wait_at_cap`)."""
+        since = self.cap_wait[1] if self.cap_wait is not None else time.monotonic()
+        writing = [i for i in self.tasks if i.ref is not None and i.answer is None]
+        orphans = sum(len(o.slots) for o in self.orphans.values())
+        return (
+            f"the batch needed next has waited {time.monotonic() - since:.1f} s for a slot of "
+            f"{nbytes:,} bytes: the arena is at its cap of {self.arena.max_bytes:,} bytes "
+            f"(arena_max_bytes), and the room not held by your batches is in {len(writing)} "
+            f"later batches still being written (and {orphans} of an abandoned epoch), which "
+            "are copied out of their slots once finished; a dataset that is slow for those "
+            "later samples (or that waits for the main process) holds the batch needed next up "
+            "with them, where torch's loader has no cap: raise arena_max_bytes"
+        )
+
+    def why_waiting(self, waited: float) -> str:
+        """``"; "`` and why the batch needed next has no slot, when the copy fence holds slots
+        or it waits at the cap for later batches; else ``""`` (for the timeout's error)."""
+        if self.host.leases.fence:
+            return "; " + fence_stuck(self.host.leases, waited)
+        wait = self.cap_wait
+        if wait is not None and (wait[0] in self.wanting or wait[0] in self.unsent):
+            size = self.wanting.get(wait[0], self.host.largest)
+            return "; " + self._cap_stuck(wait[0], size)
+        return ""
 
     def _revoke_unstarted(self) -> None:
         """Take back the slots of tasks their workers have not started: a worker runs its tasks

@@ -136,7 +136,7 @@ class NextBatch(_BaseDataLoaderIter):
                 d.unblock(blocked, deadline)
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
-                why = d.gpu_wait(self._timeout)  # empty unless copy-fenced slots held it up
+                why = d.why_waiting(self._timeout)  # the copy fence, or the cap, held it up
                 self._safe = True
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{why}")
             deaths = self._sup.wait(left)

@@ -331,3 +331,65 @@ def test_room_freed_by_spills_goes_to_a_batch_of_a_new_size():
     assert len(got) == len(order)
     assert max(got) > 0, "nothing was spilled: the scenario did not happen"
     assert not data.waited_out.is_set(), "the forced ordering did not happen"
+
+
+class SlowThird(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample 2 is three times as big as the others; sample 3 waits for ``go``."""
+
+    def __init__(self, go: Any) -> None:
+        self.go = go
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 3:
+            assert self.go.wait(LOADER_TIMEOUT_S), "the main process never let sample 3 go"
+        return torch.full(((3 if i == 2 else 1) << 20,), i, dtype=torch.uint8)
+
+
+@frees_its_loaders_on_failure
+def test_a_wait_at_the_cap_for_later_batches_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 12: the batch needed next (2), grown past its slot at the cap, waits for a later
+    batch (3) still being written, to copy it out once finished; a dataset whose later sample is
+    slow held it up silently (and one that waits for the main process, for good), and the
+    timeout said nothing of why. Now a wait that lasts ``CAP_WARN_S`` warns, naming the cap."""
+    import warnings
+
+    from shmloader import dispatch
+
+    ctx = mp.get_context("fork")
+    go = ctx.Event()
+    monkeypatch.setattr(dispatch, "CAP_WARN_S", 0.0)
+    shown: list[str] = []
+
+    def seen(message: Any, *args: Any, **kwargs: Any) -> None:
+        shown.append(str(message))
+        go.set()  # the user reads the warning, and lets sample 3 go
+
+    loader = shmloader.DataLoader(
+        SlowThird(go), batch_size=1, num_workers=2, prefetch_factor=2, arena_max_bytes=5 << 20,
+        multiprocessing_context=ctx, timeout=LOADER_TIMEOUT_S,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", seen)
+        got = [int(b[0, 0]) for b in loader]
+    assert got == list(range(8))
+    assert shown and "is at its cap of 5,242,880 bytes (arena_max_bytes)" in shown[0], shown
+    assert "1 later batches still being written" in shown[0]
+
+
+@frees_its_loaders_on_failure
+def test_a_timeout_at_the_cap_names_the_batches_it_waits_for() -> None:
+    ctx = mp.get_context("fork")
+    go = ctx.Event()  # never set: sample 3 waits until the loader's workers are stopped
+    loader = shmloader.DataLoader(
+        SlowThird(go), batch_size=1, num_workers=2, prefetch_factor=2, arena_max_bytes=5 << 20,
+        multiprocessing_context=ctx, timeout=1.0,
+    )  # fmt: skip
+    it = iter(loader)
+    held = [next(it), next(it)]  # (held: the room at the cap is theirs and batch 3's)
+    with pytest.raises(RuntimeError, match=r"timed out after 1\.0 seconds; the batch needed next"):
+        next(it)  # before: only "timed out after 1.0 seconds"
+    assert [int(b[0, 0]) for b in held] == [0, 1]
