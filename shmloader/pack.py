@@ -36,8 +36,13 @@ from shmloader.dtypes import CODE_OF
 TENSOR: Final = 0
 NDARRAY: Final = 1
 # The payload of each batch structure seen (structure signature -> pickle): a steady-state batch
-# has the structure of the last one, so the worker pickles it once, not once per batch.
+# has the structure of the last one, so the worker pickles it once, not once per batch. Only
+# small structures are kept: a batch with many atoms (token lists, file names) carries its data
+# in them, so it never matches another, and its signature and payload would only fill the
+# worker's memory (256 batches of 32 x 512 token ids held 437 MB per worker).
 MAX_PAYLOADS: Final = 256
+MAX_ATOMS: Final = 64  # a structure with more atoms than this is pickled every time, as torch
+MAX_CACHED_PAYLOAD: Final = 64 << 10  # bytes; a larger payload is not kept either
 _PAYLOADS: dict[Any, bytes] = {}
 _ATOMS: Final = (type(None), bool, int, float, complex, str, bytes)
 _F64: Final = struct.Struct("<d")
@@ -61,11 +66,13 @@ class Packed:
         self.leaves: list[_Leaf] = []
         self._seen: dict[int, int] = {}
         self._walked: set[int] = set()  # ids of the containers walked
+        self._atoms = 0
         signature = self._walk(batch)
         payload = _PAYLOADS.get(signature) if signature is not None else None
         if payload is None:  # the pickler finds the walked leaves placed already (_seen)
             payload = self._pickle(batch)
-            if signature is not None and len(_PAYLOADS) < MAX_PAYLOADS:
+            small = len(payload) <= MAX_CACHED_PAYLOAD
+            if signature is not None and small and len(_PAYLOADS) < MAX_PAYLOADS:
                 _PAYLOADS[signature] = payload
         self.payload = payload
         self.payload_offset = session.writer.alloc(len(payload))
@@ -108,12 +115,14 @@ class Packed:
             items = []
             for k, v in obj.items():
                 sig = self._walk(v)
-                if sig is None or type(k) not in _ATOMS:
+                self._atoms += 1  # the key
+                if sig is None or type(k) not in _ATOMS or self._atoms > MAX_ATOMS:
                     return None
                 items.append((_atom(k), sig))
             return (t, *items)
         if t in _ATOMS:
-            return _atom(obj)
+            self._atoms += 1
+            return _atom(obj) if self._atoms <= MAX_ATOMS else None
         return None
 
     @property

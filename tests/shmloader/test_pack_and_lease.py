@@ -148,3 +148,24 @@ def test_a_quarantined_slot_goes_back_only_once_every_quarantine_holding_it_is_l
     leases.lift(second)
     assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE and leases.kept == 0
     assert leases.quarantine() is None  # nothing lent: nothing to keep
+
+
+def test_a_batch_with_many_atoms_is_not_cached_but_a_small_structure_is(arena):
+    """Review 12: the worker's payload cache kept every structure's signature and payload, and a
+    batch of token lists (one atom per token) never matches another: 256 of them held 437 MB
+    in each worker. Only structures of at most MAX_ATOMS atoms are kept."""
+    from shmloader import pack
+
+    pack._PAYLOADS.clear()
+    tokens = {"input_ids": [[i * 512 + j for j in range(512)] for i in range(4)], "n": 4}
+    leases, msg, _ = _roundtrip(arena, tokens)
+    assert not pack._PAYLOADS, "a batch of 2,049 atoms was cached"
+    batch = leases.open(msg)
+    assert batch == tokens
+    del batch
+    small = {"x": torch.arange(4), "kind": "train", "n": 4}
+    leases2, msg2, _ = _roundtrip(arena, small)
+    assert len(pack._PAYLOADS) == 1
+    got = leases2.open(msg2)
+    assert torch.equal(got["x"], small["x"]) and got["kind"] == "train" and got["n"] == 4
+    pack._PAYLOADS.clear()
