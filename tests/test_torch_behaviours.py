@@ -2,7 +2,7 @@
 
 These are absolute checks (the batch i of a sequential loader holds samples i*b .. i*b+b-1, each
 worker gets its own seed, ...), complementing the side-by-side comparison with torch in
-test_parity_with_torch.py. Only the last test is shmloader-specific (arena stats).
+test_parity_with_torch.py. The arena-stats and view-flag tests are shmloader-specific.
 """
 
 from __future__ import annotations
@@ -511,3 +511,50 @@ def test_a_container_shared_within_a_batch_is_shared_only_in_that_batch(order):
         return [x[0] is x[1] for x in loader]
 
     assert identity(make) == identity(torch.utils.data.DataLoader)
+
+
+class FlaggedViews(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Leaves whose values depend on a view flag or a byte order: a conjugate view, a negative
+    view and (unbatched only: torch's collate refuses it) a big-endian array. torch's own
+    workers lose the flags and the byte order (review 12b: ``(1+2j)`` arrives for ``(1-2j)``);
+    its ``num_workers=0`` keeps them, and so do we."""
+
+    def __init__(self, big_endian: bool) -> None:
+        self.big_endian = big_endian
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        z = torch.tensor([1 + 2j, 3 - 1j]) * (i + 1)
+        out: dict[str, object] = {"conj": z.conj(), "neg": (z.real + i)._neg_view()}
+        if self.big_endian:
+            out["big_endian"] = (np.arange(3) + i).astype(">i4")
+        return out
+
+
+def _keep(sample):
+    return sample
+
+
+@pytest.mark.skipif(pd.selftest_mode(), reason="torch's workers drop the view flags")
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"batch_size": None, "collate_fn": _keep}, {"batch_size": 2}],
+    ids=["no-auto-collation", "default-collate"],
+)
+def test_conjugate_negative_and_big_endian_leaves_arrive_as_with_no_workers(kwargs):
+    unbatched = kwargs["batch_size"] is None
+    ours = list(make(FlaggedViews(unbatched), num_workers=2, **kwargs))
+    theirs = list(torch.utils.data.DataLoader(FlaggedViews(unbatched), num_workers=0, **kwargs))
+    assert len(ours) == len(theirs) == (4 if unbatched else 2)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.keys() == b.keys()
+        for key in ("conj", "neg"):
+            assert (a[key].is_conj(), a[key].is_neg()) == (b[key].is_conj(), b[key].is_neg())
+            assert torch.equal(
+                a[key].resolve_conj().resolve_neg(), b[key].resolve_conj().resolve_neg()
+            )
+        if unbatched:
+            assert a["big_endian"].dtype == b["big_endian"].dtype == np.dtype(">i4")
+            assert a["big_endian"].tolist() == b["big_endian"].tolist()
