@@ -575,11 +575,11 @@ class Dispatch:
         _, since, warned = self.cap_wait
         if not warned and now - since >= CAP_WARN_S:
             self.cap_wait = (seq, since, True)
-            userwarn.warn(self._cap_stuck(seq, nbytes), RuntimeWarning)
+            userwarn.warn(self._cap_stuck(nbytes, since), RuntimeWarning)
 
-    def _cap_stuck(self, seq: int, nbytes: int) -> str:
-        """Why the batch needed next still waits at the cap (see :meth:`_wait_at_cap`)."""
-        since = self.cap_wait[1] if self.cap_wait is not None else time.monotonic()
+    def _cap_stuck(self, nbytes: int, since: float) -> str:
+        """Why the batch needed next (waiting since ``since``) still waits at the cap (see
+        :meth:`_wait_at_cap`)."""
         writing = [i for i in self.tasks if i.ref is not None and i.answer is None]
         orphans = sum(len(o.slots) for o in self.orphans.values())
         return (
@@ -597,10 +597,11 @@ class Dispatch:
         or it waits at the cap for later batches; else ``""`` (for the timeout's error)."""
         if self.host.leases.fence:
             return "; " + fence_stuck(self.host.leases, waited)
-        wait = self.cap_wait
-        if wait is not None and (wait[0] in self.wanting or wait[0] in self.unsent):
-            size = self.wanting.get(wait[0], self.host.largest)
-            return "; " + self._cap_stuck(wait[0], size)
+        if self.cap_wait is not None:
+            seq, since, _ = self.cap_wait
+            if seq in self.wanting or seq in self.unsent:
+                nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
+                return "; " + self._cap_stuck(nbytes, since)
         return ""
 
     def _revoke_unstarted(self) -> None:

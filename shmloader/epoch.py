@@ -56,7 +56,9 @@ HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_dev
 
 def _teardown(pid: int, sup: Supervisor, dispatch: Dispatch, leases: Leases) -> None:
     """Stop the workers, then queue every slot the iterator holds for release. May run inside
-    the garbage collector: it takes no lock and leaves the releases to the next safe point."""
+    the garbage collector: it takes no lock and leaves the releases to the next safe point.
+    Everything is inside the ``try``, so an interruption anywhere after its first line still
+    ends the workers and queues the slots (hence the two pid tests)."""
     try:
         if os.getpid() == pid:  # inherited through fork(): the workers and slots are the parent's
             sup.shutdown()

@@ -288,11 +288,7 @@ class Supervisor:
     def kill(self) -> None:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
         could still finish is wanted. :meth:`shutdown` then only closes the pipes."""
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
-        for p in self.procs:
-            p.join(KILL_S)
+        _kill_and_reap(self.procs)
 
     @property
     def stopped(self) -> bool:
@@ -347,8 +343,11 @@ _CLOSED = (
 
 
 def _end_unstopped(pid: int, procs: list[Any]) -> None:
-    if os.getpid() != pid:
-        return  # inherited through fork(): they are the parent's
+    if os.getpid() == pid:  # inherited through fork(): they are the parent's
+        _kill_and_reap(procs)
+
+
+def _kill_and_reap(procs: list[Any]) -> None:
     for p in procs:
         if p.exitcode is None:
             p.kill()
