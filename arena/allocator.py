@@ -21,6 +21,16 @@ Invariants:
   ``slots_per_slab``; cut to the room under the cap), so a class grows geometrically; when not
   even one slot of that class fits under the cap, it creates the class ``page_align(n)`` instead.
   ``acquire`` always prefers the smallest class that fits.
+- Snug slots: a class is *loose* for a request when it is at least ``LOOSE`` times the request
+  and at least ``LOOSE_MIN_BYTES``. A request whose smallest fitting class is loose is served
+  from the *snug* class, the power of two at or above it: grown for it (as above, doubling) when
+  that leaves at least as much room under the cap as it takes; then the free slots of classes
+  loose for it are hollowed (their memory goes back: the batches have become smaller), and so
+  is every slot of those classes released later, until a request needs them again (one at
+  least a ``LOOSE``-th of the smallest of them). An owner that knows its requests fell says so
+  (:meth:`Arena.requests_fell`), with the same effect. Only when no snug slab fits does a loose
+  slot serve the request. So a held small batch never pins a big slot while there is room for
+  a small one, and the arena's memory follows batches that shrink.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
 - A FREE slot can be *hollowed* (``hollow``): its pages go back to the system (``MADV_REMOVE``)
@@ -76,6 +86,11 @@ class SlotRef(NamedTuple):
     generation: int
 
 
+LOOSE = 4  # a class at least this many times a request is loose for it ...
+LOOSE_MIN_BYTES = 1 << 20  # ... when it is at least this big (smaller slots waste too little)
+_NEVER = 1 << 62  # a slot size no class reaches
+
+
 def default_max_bytes() -> int:
     """Default cap: half of the RAM available when the arena is made."""
     return mem_available_bytes() // 2
@@ -118,6 +133,9 @@ class Arena:
         self._bytes_by_state = [0] * len(SlotState)
         self._sizes: dict[int, int] = {}  # slab id -> slot size
         self._waiters = 0
+        # Classes of this size and up are out of use since requests shrank (snug slots): their
+        # slots are hollowed as they are released.
+        self._idle_from = _NEVER
         self._reserved = 0
         self._high_water = 0
         self._growth_events = 0
@@ -147,6 +165,8 @@ class Arena:
         with self._lock:
             if self._closed:
                 self._check_open()
+            if LOOSE * need > self._idle_from:
+                self._idle_from = _NEVER  # requests this big want those classes again
             ref = self._take(need, past_cap)
             if ref is None and add_slab and self._grow(need, past_cap):
                 ref = self._take(need, past_cap)
@@ -169,18 +189,55 @@ class Arena:
         for size in self._classes[bisect.bisect_left(self._classes, need) :]:
             free = self._free[size]
             if free:
+                if size >= LOOSE * need and size >= LOOSE_MIN_BYTES and self._grow_snug(
+                    need, past_cap
+                ):
+                    return self._take(need, past_cap)  # the snug class now has a free slot
                 slab_id, slot = free.pop()
                 return self._hand_out(slab_id, slot)
         if self._nhollow:
             return self._take_hollow(need, past_cap)
         return None
 
+    def _grow_snug(self, need: int, past_cap: int) -> bool:
+        """Grow the snug class for ``need`` when its slab leaves at least as much room under the
+        cap as it takes, then hollow the free slots of the classes loose for ``need`` (module
+        invariants). False, and nothing changed, when it does not fit."""
+        loose = max(LOOSE * need, LOOSE_MIN_BYTES)
+        size, nslots = self._plan(need, past_cap)
+        room = self.max_bytes + past_cap - self._reserved
+        if nslots < 1 or size >= loose or 2 * size * nslots > room:
+            return False
+        try:
+            self._add_slab(size, nslots)
+        except (ArenaCapacityError, ArenaDescriptorError):
+            return False  # no memory or descriptor for it now: a loose slot serves the request
+        for cls in self._classes[bisect.bisect_left(self._classes, loose) :]:
+            self._hollow_class(cls)
+        self._idle_from = min(self._idle_from, loose)
+        return True
+
+    def requests_fell(self, nbytes: int) -> int:
+        """The owner's requests are at most ``nbytes`` from now on: the classes loose for it go
+        out of use (module invariants). Returns the bytes given back now."""
+        with self._lock:
+            loose = max(LOOSE * page_align(nbytes), LOOSE_MIN_BYTES)
+            self._idle_from = min(self._idle_from, loose)
+            done = 0
+            for cls in self._classes[bisect.bisect_left(self._classes, loose) :]:
+                done += self._hollow_class(cls)
+            return done
+
     def _take_hollow(self, need: int, past_cap: int) -> SlotRef | None:
-        """A hollowed slot of at least ``need``, its bytes reserved again, if the cap allows."""
+        """A hollowed slot of at least ``need``, its bytes reserved again, if the cap allows (a
+        slab of the snug class first, if a hollowed slot would be loose for ``need``)."""
+        loose = max(LOOSE * need, LOOSE_MIN_BYTES)
         for size in self._classes[bisect.bisect_left(self._classes, need) :]:
             hollow = self._hollow.get(size)
             if not hollow or self._reserved + size > self.max_bytes + past_cap:
                 continue
+            if size >= loose and self._grow_snug(need, past_cap):
+                return self._take(need, past_cap)
             slab_id, slot = hollow[-1]
             if not self._slabs[slab_id].segment.recommit(slot * size, size):
                 continue
@@ -207,16 +264,23 @@ class Arena:
     def _hollow_free(self, past_cap: int | None = None) -> int:
         done = 0
         for size in reversed(self._classes):
-            free, kept = self._free[size], []
-            while free:
-                if past_cap is not None and self._reserved <= self.max_bytes + past_cap:
-                    break
-                slab_id, slot = entry = free.pop()
-                if self.can_hollow(slab_id) and self._punch(slab_id, slot, size):
-                    done += size
-                else:
-                    kept.append(entry)
-            free.extend(reversed(kept))
+            done += self._hollow_class(size, past_cap)
+        return done
+
+    def _hollow_class(self, size: int, past_cap: int | None = None) -> int:
+        """Hollow the FREE slots of class ``size`` (with ``past_cap``, only while over the cap
+        plus that allowance). Returns the bytes given back."""
+        done = 0
+        free, kept = self._free[size], []
+        while free:
+            if past_cap is not None and self._reserved <= self.max_bytes + past_cap:
+                break
+            slab_id, slot = entry = free.pop()
+            if self.can_hollow(slab_id) and self._punch(slab_id, slot, size):
+                done += size
+            else:
+                kept.append(entry)
+        free.extend(reversed(kept))
         return done
 
     def _punch(self, slab_id: int, slot: int, size: int) -> bool:
@@ -231,10 +295,21 @@ class Arena:
         return True
 
     def _grow(self, need: int, past_cap: int = 0) -> bool:
+        size, nslots = self._plan(need, past_cap)
+        if nslots < 1:
+            return False
+        self._add_slab(size, nslots)
+        return True
+
+    def _plan(self, need: int, past_cap: int) -> tuple[int, int]:
+        """The slot size and count of the slab that growth for ``need`` adds (module
+        invariants); a count below one when none fits under the cap."""
         room = self.max_bytes + past_cap - self._reserved
         fitting = self._classes[bisect.bisect_left(self._classes, need) :]
         if fitting:
             size = fitting[0]
+            if size >= max(LOOSE * need, LOOSE_MIN_BYTES):
+                size = 1 << (need - 1).bit_length()  # the snug class: a power of two of pages
             if size > room:
                 size = need  # at the cap: a slab of just this size, if that still fits
         else:
@@ -246,9 +321,9 @@ class Arena:
         # Another slab of a busy class doubles the class (at least slots_per_slab): a user who
         # holds n batches costs O(log n) slabs, and so O(log n) descriptors, not n.
         in_class = sum(len(self._states[sid]) for sid, sz in self._sizes.items() if sz == size)
-        nslots = min(max(self.slots_per_slab, in_class), room // size)
-        if nslots < 1:
-            return False
+        return size, min(max(self.slots_per_slab, in_class), room // size)
+
+    def _add_slab(self, size: int, nslots: int) -> None:
         try:
             slab = Slab.create(next(self._ids), size, nslots, self.backend)
         except ArenaDescriptorError as e:
@@ -269,7 +344,6 @@ class Arena:
         self._bytes_by_state[_FREE] += size * nslots
         self._reserved += size * nslots
         self._growth_events += 1
-        return True
 
     def give_back_idle(self) -> list[int]:
         """Close every slab whose slots are all FREE, making room under the cap for another
@@ -362,11 +436,12 @@ class Arena:
                 )
             self._move(ref.slab_id, ref.slot, SlotState.FREE)
             size = self._sizes[ref.slab_id]
-            hollowed = self._closed and self.can_hollow(ref.slab_id)
-            if hollowed and self._punch(ref.slab_id, ref.slot, size):
-                return True
-            self._free[size].append((ref.slab_id, ref.slot))
-            if self._waiters:
+            # After close, or in a class out of use: its memory goes back now.
+            out_of_use = self._closed or size >= self._idle_from
+            hollow = out_of_use and self.can_hollow(ref.slab_id)
+            if not (hollow and self._punch(ref.slab_id, ref.slot, size)):
+                self._free[size].append((ref.slab_id, ref.slot))
+            if self._waiters:  # a hollow slot can serve a waiter too (reserved again)
                 self._cond.notify_all()
             return True
 

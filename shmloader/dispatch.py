@@ -15,18 +15,23 @@ Invariants:
   epoch starts, then one per batch yielded (and one per exhausted IterableDataset replica); each
   attempt draws one index and gives it to the next live worker in round-robin order (with
   ``in_order=False``, the next one below its share of tasks), or drops it when there is none.
-- A task takes a free slot of the largest batch size seen; with none free it waits, decided and
-  unsent, and free slots go to waiting tasks in sampler order whenever one frees up. So steady
-  state costs one TASK and one READY frame per batch, and no round trip.
+- A task takes a free slot of the size of the largest of the latest batches
+  (:mod:`shmloader.slotsize`); with none free it waits, decided and unsent, and free slots go
+  to waiting tasks in sampler order whenever one frees up. So steady state costs one TASK and
+  one READY frame per batch, and no round trip; and once batches shrink, their tasks take slots
+  of the smaller size (the arena serves them from a snug class, :mod:`arena.allocator`).
 - Every NEED_SLOT is answered: GRANT of the task's own slot when the batch fits it, the grant
   already on its way when the worker had not seen it yet, or a bigger slot (GRANT) or DENY. A
   slot too small is freed when the NEED_SLOT arrives (the worker copied the batch out of it).
 - The arena grows only for the batch the consumer needs next (in sampler order, or any batch with
-  ``in_order=False``) and only when its worker waits for a slot, after waiting for the GPU's
-  copies from slots the copy fence holds (:mod:`shmloader.fence`; up to the loader's ``timeout``,
-  else without end and with a warning every ``FENCE_WARN_S``); at the cap, slabs whose slots are
-  all free are given back first, then garbage is collected (for a task whose size is only the
-  largest seen, its worker measures it first); ``ArenaExhaustedError`` only when
+  ``in_order=False``) and only when its worker waits for a slot of the size it measured (a task
+  whose size is only the latest batches' largest is sent without a slot to be measured first),
+  after waiting for the GPU's copies from slots the copy fence holds (:mod:`shmloader.fence`; up
+  to the loader's ``timeout``, else without end and with a warning every ``FENCE_WARN_S``) --
+  but for a snug slab, which the arena adds for a task far smaller than every free slot while it
+  leaves as much room under the cap as it takes (:mod:`arena.allocator`); at the cap, slabs
+  whose slots are all free are given back first, then garbage is collected;
+  ``ArenaExhaustedError`` only when
   nothing else frees room, with exactly what the user holds. At the cap, free slots in slabs that
   also hold batches are hollowed (their memory goes back; ``arena.Arena.hollow``), and the batch
   needed next takes back room from every batch after it: tasks not yet started (queued behind a
@@ -117,6 +122,7 @@ class Dispatch:
         lock: threading.RLock,
     ) -> None:
         self.host = host
+        self.sizes = host.sizes  # the slot size for tasks not yet measured
         # The iterator's lock (shmloader.onethread): another iterator of the loader changes this
         # one's tasks (spills its batches, detaches a slab) only while it holds it.
         self.lock = lock
@@ -287,7 +293,7 @@ class Dispatch:
             return
         info = self.tasks.add(wid, None)
         self.num_tasks[wid] += 1
-        largest = self.host.largest
+        largest = self.sizes.largest
         # Tasks reach each worker in sampler order: behind a waiting task, a new one waits too.
         free = largest and not self.unsent and self.arena.free_slots
         ref = self._acquire(largest, grow=False) if free else None
@@ -344,8 +350,9 @@ class Dispatch:
                 self.wanting.pop(seq, None)
                 self.asked.discard(seq)
                 continue
-            # Tasks that have not asked take the largest size seen, which may have grown.
-            nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
+            # Tasks that have not asked take the latest batches' largest size, which may have
+            # changed since.
+            nbytes = self.wanting[seq] if seq in self.asked else self.sizes.largest
             try:
                 ref = self._acquire(nbytes, grow=False)
             except ArenaCapacityError as e:
@@ -358,9 +365,9 @@ class Dispatch:
             self._give(info, ref)
 
     def _give(self, info: TaskInfo[Answer], ref: SlotRef) -> None:
-        # The largest batch size known grows only with a slot actually given: a batch too big
-        # for the arena never raises the size other tasks ask for.
-        self.host.largest = max(self.host.largest, self.wanting.get(info.seq, 0))
+        # The slot size for tasks grows only with a slot actually given: a batch too big for
+        # the arena never raises the size other tasks ask for.
+        self.sizes.at_least(self.wanting.get(info.seq, 0))
         if info.seq in self.unsent:
             info.ref = ref
             self.in_hand = None
@@ -393,9 +400,9 @@ class Dispatch:
         ``/dev/shm`` or RAM is full). A batch whose worker asked for its size is DENIED: the
         worker answers DROPPED once it has published the RNG state after that batch, and the
         task then fails with ``exc`` (:meth:`answer`). A decided task not yet sent had only the
-        largest size seen: it is sent without a slot (when it is its worker's next, so each
-        worker still gets its tasks in sampler order), its worker fetches it as torch's would
-        and asks for exactly its size, which then fits or is denied."""
+        latest batches' largest size: it is sent without a slot (when it is its worker's next,
+        so each worker still gets its tasks in sampler order), its worker fetches it as torch's
+        would and asks for exactly its size, which then fits or is denied."""
         self.wanting.pop(info.seq, None)
         if info.seq in self.asked:
             self.asked.discard(info.seq)
@@ -453,16 +460,17 @@ class Dispatch:
     def unblock(self, seq: int, deadline: float | None) -> None:
         """Find a slot for task ``seq``, the batch the consumer needs next: wait for the GPU's
         copies from slots the copy fence holds (until ``deadline``, the loader's timeout, if one
-        is set); grow the arena; at its cap take back the slots of later tasks not yet started
-        and give back idle slabs of other sizes; then collect garbage (views caught in reference
+        is set); then, for a task whose size is only the latest batches' largest, send it
+        without a slot to be measured (the arena grows only for a size a worker asked for);
+        else grow the arena; at its cap take back the slots of later tasks not yet started and
+        give back idle slabs of other sizes; then collect garbage (views caught in reference
         cycles); then spill finished later batches. If it still has none: while later batches
         are being written, return (the caller waits for them, and spills them here next time);
-        for a task whose size is only the largest seen, send it without a slot to be measured;
         else raise, unless the fence still holds slots when ``deadline`` has passed: then the
         caller's timeout fires."""
         info = self.tasks.get(seq)
         assert info is not None
-        nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
+        nbytes = self.wanting[seq] if seq in self.asked else self.sizes.largest
         leases = self.host.leases
         guess = seq in self.unsent and seq not in self.asked
         for step in ("drain", "grow", "give back", "collect"):
@@ -470,13 +478,6 @@ class Dispatch:
                 self._revoke_unstarted()
                 self._make_room()
             elif step == "collect":
-                if guess:
-                    # Its size is only a guess (the largest batch so far): let its worker
-                    # measure it and ask for exactly what it needs, which may well fit, before
-                    # collecting garbage and spilling for it (a full collection can take tens
-                    # of milliseconds).
-                    self._measure(info)
-                    return
                 gc.collect()
             # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
             for free in (leases.drain, lambda: self._settle(deadline)):
@@ -484,7 +485,17 @@ class Dispatch:
                     self.offer()
                     if seq not in self.wanting and seq not in self.unsent:
                         return
-            if step != "drain" and self._grow_for(info, nbytes):
+            if step == "drain":
+                continue
+            if guess:
+                # Its size is only a guess (the latest batches' largest, which may be many
+                # times what it needs): let its worker measure it and ask for exactly that,
+                # which may well fit, before growing the arena, collecting garbage (tens of
+                # milliseconds) or spilling for it. A slab grown for a guess would be held by
+                # this batch for as long as the user holds it.
+                self._measure(info)
+                return
+            if self._grow_for(info, nbytes):
                 return
         if self._spill_after(info, nbytes):
             return
@@ -600,7 +611,7 @@ class Dispatch:
         if self.cap_wait is not None:
             seq, since, _ = self.cap_wait
             if seq in self.wanting or seq in self.unsent:
-                nbytes = self.wanting[seq] if seq in self.asked else self.host.largest
+                nbytes = self.wanting[seq] if seq in self.asked else self.sizes.largest
                 return "; " + self._cap_stuck(nbytes, since)
         return ""
 
@@ -618,7 +629,7 @@ class Dispatch:
                 continue
             self.arena.release(info.ref)
             info.ref = None
-            self.wanting[info.seq] = self.host.largest
+            self.wanting[info.seq] = self.sizes.largest
             self.sup.send(info.worker_id, P.Revoke(info.seq, self.epoch))
 
     def _forget_slab(self, slab_id: int) -> None:
@@ -716,6 +727,8 @@ class Dispatch:
                     f"but the task was given {info.ref}"
                 )
             self.arena.mark_ready(msg.ref)
+            if self.sizes.saw(msg.nbytes):  # batches shrank: big slots go out of use
+                self.arena.requests_fell(self.sizes.largest)
         info.answer = msg
         self.wanting.pop(info.seq, None)
         self.asked.discard(info.seq)

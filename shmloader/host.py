@@ -15,8 +15,9 @@ Invariants:
   iterator's dispatcher, so that room made at the cap and slabs given back are seen by all of
   them (a slab given back is detached from every iterator's workers; another iterator's
   finished batches may be spilled for the batch needed next).
-- ``largest`` is the largest batch any iterator has asked a slot for, in bytes; dispatch takes
-  slots of that size, so steady state needs no NEED_SLOT round trip.
+- ``sizes.largest`` is the largest of the latest batches of any iterator, in bytes
+  (:mod:`shmloader.slotsize`); dispatch takes slots of that size, so steady state needs no
+  NEED_SLOT round trip, and small batches stop taking big slots once batches have shrunk.
 - ``close()`` waits (at most ``CLOSE_SETTLE_S``) for the GPU's copies from the fence's slots,
   unregisters pinned memory, then closes the arena; views still alive stay valid. A slab the
   GPU may still read from is never unregistered: after that wait it is left page-locked.
@@ -36,6 +37,7 @@ from shmloader.fence import CopyFence, cuda_events
 from shmloader.lease import Leases
 from shmloader.pin import Pinner
 from shmloader.rngstate import RngRing
+from shmloader.slotsize import SlotSize
 from shmloader.stats import LoaderStats
 
 
@@ -61,7 +63,7 @@ class ArenaHost:
         fence = CopyFence(cuda_events(pin_device)) if pin else None
         self.leases = leases = Leases(self.arena, fence, self.pinner.registered)
         afterfork.track(self.leases)  # a child forked while batches are held keeps them
-        self.largest = 0
+        self.sizes = SlotSize()
         self.worker_pids: tuple[int, ...] = ()
         # Set when an iterator was interrupted half-way through a change (shmloader.interrupts):
         # the loader's next iterator makes a fresh host; this one closes once nothing uses it.

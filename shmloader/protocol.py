@@ -11,7 +11,8 @@ cap; the main process raises the error, the worker moves on), ``ATTACH`` (map a 
 ``DETACH`` (unmap a slab the arena gave back), ``REVOKE`` (a task the worker has not started
 loses the slot it was sent with: it asks for one when it gets there), ``RESUME`` (a new epoch
 begins), ``STOP`` (exit).
-Worker -> main: ``READY`` (the batch is in the slot; its layout follows), ``NEED_SLOT`` (the
+Worker -> main: ``READY`` (the batch is in the slot, using so many of its bytes; its layout
+follows), ``NEED_SLOT`` (the
 batch needs ``nbytes``; the worker waits for ``GRANT`` or ``DENY``), ``FAILED`` (dataset or
 collate raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the
 task belongs to an epoch that a later ``RESUME`` abandoned: fetched, as torch does, but its slot
@@ -80,8 +81,8 @@ class PackedIndices(bytes):
 
 # kind, seq, epoch, has_slot, slab_id, slot, generation, index coding
 _TASK: Final = struct.Struct("<BQIBIIIB")
-# kind, seq, epoch, worker_id (+ descriptor)
-_READY: Final = struct.Struct("<BQII")
+# kind, seq, epoch, worker_id, the bytes of the slot the batch uses (+ descriptor)
+_READY: Final = struct.Struct("<BQIIQ")
 # the descriptor's leading slab_id, slot, generation (arena._layout.DESC_HEAD's first fields)
 _REF: Final = struct.Struct("<III")
 # where a READY frame's layout starts: after _READY and the descriptor's (slab, slot, generation)
@@ -144,12 +145,14 @@ class Deny(NamedTuple):
 
 
 class Ready(NamedTuple):
-    """A batch is in ``ref``; ``frame`` is the whole READY frame (see :func:`descriptor`)."""
+    """A batch is in ``ref``, using its first ``nbytes`` bytes; ``frame`` is the whole READY
+    frame (see :func:`descriptor`)."""
 
     seq: int
     epoch: int
     worker_id: int
     ref: SlotRef
+    nbytes: int
     frame: bytes
 
 
@@ -194,9 +197,10 @@ ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny | Revoke
 ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped | ReplicaState
 
 
-def ready(seq: int, epoch: int, worker_id: int, desc: Descriptor) -> bytes:
-    """The READY frame for a batch described by ``desc`` (the worker's hot path)."""
-    return _READY.pack(Kind.READY, seq, epoch, worker_id) + desc.encode()
+def ready(seq: int, epoch: int, worker_id: int, desc: Descriptor, nbytes: int) -> bytes:
+    """The READY frame for a batch described by ``desc`` that uses ``nbytes`` of its slot
+    (``desc.end``; the worker's hot path)."""
+    return _READY.pack(Kind.READY, seq, epoch, worker_id, nbytes) + desc.encode()
 
 
 def descriptor(msg: Ready) -> Descriptor:
@@ -255,8 +259,9 @@ def decode(frame: bytes) -> ToWorker | ToMain:
     """The message ``frame`` encodes."""
     kind = frame[0]
     if kind == Kind.READY:
-        _, seq, epoch, wid = _READY.unpack_from(frame)
-        return Ready(seq, epoch, wid, SlotRef._make(_REF.unpack_from(frame, _READY.size)), frame)
+        _, seq, epoch, wid, nbytes = _READY.unpack_from(frame)
+        slot_ref = SlotRef._make(_REF.unpack_from(frame, _READY.size))
+        return Ready(seq, epoch, wid, slot_ref, nbytes, frame)
     if kind == Kind.TASK:
         _, seq, epoch, has, slab_id, slot, gen, coding = _TASK.unpack_from(frame)
         task_ref = SlotRef(slab_id, slot, gen) if has else None

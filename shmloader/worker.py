@@ -68,7 +68,7 @@ from shmloader._torch_compat import (
 )
 from shmloader.collate import SlotSession, SlotView
 from shmloader.frames import FrameReader, framed
-from shmloader.pack import Packed
+from shmloader.pack import Packed, used_bytes
 from shmloader.rngstate import RngRing, restore
 from shmloader.state import is_stateful
 
@@ -333,7 +333,8 @@ class _Worker:
     def ready(self, task: P.Task, desc: Descriptor) -> None:
         if self.rng is not None:  # the RNG state after this task, published before its answer
             self.rng.publish(self.cfg.worker_id, task.epoch, task.seq)
-        self._write(framed(P.ready(task.seq, task.epoch, self.cfg.worker_id, desc)))
+        nbytes = used_bytes(desc)
+        self._write(framed(P.ready(task.seq, task.epoch, self.cfg.worker_id, desc, nbytes)))
 
     def run(self) -> None:
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import closing
 
@@ -541,3 +542,150 @@ def test_near_the_cap_a_new_class_is_the_request_not_a_doubling():
         acquire(arena, 2 * PAGE)
         big = acquire(arena, 3 * PAGE)
         assert arena.slot_size(big) == 3 * PAGE
+
+
+# -- snug slots ----------------------------------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def written(arena: Arena, ref: SlotRef) -> None:
+    """Touch every page of the slot ``ref``, as a batch written there would."""
+    np.frombuffer(arena.slot_buffer(ref), dtype=np.uint8)[:] = 1
+
+
+def test_a_request_far_smaller_than_the_free_slots_gets_a_snug_class_and_they_go_hollow():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=2)) as arena:
+        big = [acquire(arena, 8 * MIB) for _ in range(2)]
+        for ref in big:
+            written(arena, ref)
+            arena.release(ref)
+        small = acquire(arena, 3 * PAGE)
+        assert arena.slot_size(small) == 4 * PAGE  # the power of two of pages at or above it
+        st = arena.stats()
+        assert st.slot_sizes == (4 * PAGE, 8 * MIB)
+        assert st.slots_hollow == 2  # the big free slots' memory went back
+        assert st.bytes_reserved == 2 * 4 * PAGE
+        assert allocated(arena, big[0]) == 0
+        check_books(arena)
+        # The next small request takes the snug class's other slot; nothing more is grown.
+        assert arena.slot_size(acquire(arena, 3 * PAGE)) == 4 * PAGE
+        assert arena.stats().growth_events == 2
+
+
+def test_a_big_request_takes_a_hollowed_big_slot_again():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=2)) as arena:
+        for ref in [acquire(arena, 8 * MIB) for _ in range(2)]:
+            arena.release(ref)
+        acquire(arena, PAGE)  # hollows the two big slots
+        again = acquire(arena, 8 * MIB)
+        assert arena.slot_size(again) == 8 * MIB
+        st = arena.stats()
+        assert st.slots_hollow == 1 and st.bytes_reserved == 8 * MIB + 2 * PAGE
+        assert st.growth_events == 2
+        check_books(arena)
+
+
+def test_while_a_slot_fits_within_four_times_the_request_it_serves_it():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=1)) as arena:
+        arena.release(acquire(arena, 8 * MIB))
+        ref = acquire(arena, 2 * MIB + 1)  # 8 MiB is under four times its page-aligned size
+        assert arena.slot_size(ref) == 8 * MIB
+        assert arena.stats().slot_sizes == (8 * MIB,)
+
+
+def test_slots_under_the_loose_minimum_serve_any_smaller_request():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=1)) as arena:
+        arena.release(acquire(arena, MIB - PAGE))
+        ref = acquire(arena, PAGE)  # 255 times smaller, but the slot is under LOOSE_MIN_BYTES
+        assert arena.slot_size(ref) == MIB - PAGE
+        assert arena.stats().slots_hollow == 0
+
+
+def test_a_loose_slot_serves_when_no_snug_slab_fits_under_the_cap():
+    # A slab of the snug class must leave as much room under the cap as it takes: one page of
+    # room left is not enough for a one-page slab.
+    with closing(Arena(backend="memfd", max_bytes=8 * MIB + PAGE, slots_per_slab=1)) as arena:
+        arena.release(acquire(arena, 8 * MIB))
+        ref = acquire(arena, PAGE)
+        assert arena.slot_size(ref) == 8 * MIB
+        st = arena.stats()
+        assert st.slot_sizes == (8 * MIB,) and st.slots_hollow == 0
+        check_books(arena)
+        arena.release(ref)
+        arena.max_bytes = 8 * MIB + 2 * PAGE  # now it leaves as much as it takes
+        assert arena.slot_size(acquire(arena, PAGE)) == PAGE
+
+
+def test_slabs_kept_whole_are_not_hollowed_when_a_snug_class_grows():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=1)) as arena:
+        arena.can_hollow = lambda slab_id: False  # as for page-locked slabs
+        big = acquire(arena, 8 * MIB)
+        written(arena, big)
+        arena.release(big)
+        assert arena.slot_size(acquire(arena, PAGE)) == PAGE
+        assert arena.stats().slots_hollow == 0 and allocated(arena, big) == 8 * MIB
+
+
+def test_growth_for_a_request_far_smaller_than_every_class_makes_a_snug_class():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=1)) as arena:
+        held = acquire(arena, 8 * MIB)  # busy: the small request must grow
+        ref = acquire(arena, 5 * PAGE)
+        assert arena.slot_size(ref) == 8 * PAGE
+        assert arena.stats().slot_sizes == (8 * PAGE, 8 * MIB)
+        del held
+
+
+def test_big_slots_released_after_requests_shrank_go_hollow_until_a_big_request_comes():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=2)) as arena:
+        busy, spare = acquire(arena, 8 * MIB), acquire(arena, 8 * MIB)
+        written(arena, busy)
+        arena.release(spare)
+        acquire(arena, PAGE)  # requests shrank: the free big slot goes hollow
+        arena.release(busy)  # released later: hollow as well
+        st = arena.stats()
+        assert st.slots_hollow == 2 and st.bytes_reserved == 2 * PAGE
+        assert allocated(arena, busy) == 0
+        again = acquire(arena, 8 * MIB)  # a big request: big slots are in use again
+        arena.release(again)
+        assert arena.stats().slots_hollow == 1  # its slot stays committed on release
+        check_books(arena)
+
+
+def test_an_owner_whose_requests_fell_has_the_loose_classes_go_hollow():
+    with closing(Arena(backend="memfd", max_bytes=64 * MIB, slots_per_slab=2)) as arena:
+        arena.release(acquire(arena, PAGE))
+        busy, spare = acquire(arena, 8 * MIB), acquire(arena, 8 * MIB)
+        written(arena, busy)
+        arena.release(spare)
+        assert arena.requests_fell(PAGE) == 8 * MIB  # the free big slot, now
+        arena.release(busy)  # and the busy one when it comes back
+        st = arena.stats()
+        assert st.slots_hollow == 2 and st.bytes_reserved == 2 * PAGE
+        again = acquire(arena, 8 * MIB)  # a big request: the big class is in use again
+        written(arena, again)
+        arena.release(again)
+        assert arena.requests_fell(2 * MIB + PAGE) == 0  # 8 MiB is under four times that
+        assert arena.stats().slots_hollow == 1 and allocated(arena, again) == 8 * MIB
+        check_books(arena)
+
+
+def test_a_slot_that_goes_hollow_on_release_still_wakes_a_waiting_acquire():
+    with closing(Arena(backend="memfd", max_bytes=8 * MIB + PAGE, slots_per_slab=1)) as arena:
+        big = acquire(arena, 8 * MIB)
+        arena.requests_fell(PAGE)  # the 8 MiB class goes out of use: released, it goes hollow
+        got: list[SlotRef | None] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(arena.acquire(PAGE, timeout=60, add_slab=False))
+        )
+        waiter.start()
+        deadline = time.monotonic() + THREAD_TIMEOUT_S
+        while arena._waiters == 0 and time.monotonic() < deadline:  # until it waits
+            pass
+        assert arena._waiters == 1
+        arena.release(big)
+        waiter.join(THREAD_TIMEOUT_S)
+        assert not waiter.is_alive()
+        assert got and got[0] is not None and arena.slot_size(got[0]) == PAGE  # a snug slot
+        assert arena.stats().slots_hollow == 1
+        check_books(arena)

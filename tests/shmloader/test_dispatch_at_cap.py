@@ -40,7 +40,7 @@ def host() -> Iterator[ArenaHost]:
 def blocked_head(host: ArenaHost) -> Dispatch:
     """Every slot taken: three lent to the user; the head (task 0 of worker 0) asks for one."""
     d = Dispatch(host, FakeSupervisor(2), 2, 4, True, threading.RLock())  # type: ignore[arg-type]
-    host.largest = PAGE
+    host.sizes.at_least(PAGE)
     refs = [host.arena.acquire(PAGE) for _ in range(4)]
     for ref in refs[:3]:
         host.arena.mark_ready(ref)

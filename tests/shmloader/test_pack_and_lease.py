@@ -9,7 +9,7 @@ from arena import SlotState
 from shmloader import protocol as P
 from shmloader.collate import SlotSession, slot_default_collate
 from shmloader.lease import Leases
-from shmloader.pack import Packed
+from shmloader.pack import Packed, used_bytes
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
 
@@ -26,7 +26,8 @@ def _roundtrip(arena, batch, nbytes=1 << 16):
         arena.release(ref)
         ref = big
     arena.mark_ready(ref)
-    return Leases(arena), P.decode(P.ready(0, 0, 0, desc)), ref
+    assert used_bytes(desc) == desc.end  # the payload is laid out last, either way
+    return Leases(arena), P.decode(P.ready(0, 0, 0, desc, used_bytes(desc))), ref
 
 
 def test_a_nested_batch_comes_back_equal_with_tensors_as_views(arena):

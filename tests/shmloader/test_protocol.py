@@ -22,7 +22,7 @@ DESC = Descriptor(REF, (ArraySpec(0, 8, (4, 3)), ArraySpec(64, 6, ())), 128, 33)
         P.Resume(3, 12345),
         P.Stop(),
         P.Deny(4, 1),
-        P.decode(P.ready(11, 2, 1, DESC)),
+        P.decode(P.ready(11, 2, 1, DESC, DESC.end)),
         P.NeedSlot(12, 0, 1, 1 << 33, None),
         P.NeedSlot(12, 0, 1, 1 << 33, REF),
         P.Detach(7),
@@ -37,9 +37,10 @@ def test_every_message_survives_encode_and_decode(msg):
 
 
 def test_a_ready_frame_names_the_slot_and_carries_the_whole_descriptor():
-    msg = P.decode(P.ready(11, 2, 1, DESC))
+    msg = P.decode(P.ready(11, 2, 1, DESC, DESC.end))
     assert isinstance(msg, P.Ready) and (msg.seq, msg.epoch, msg.worker_id) == (11, 2, 1)
     assert msg.ref == REF and P.descriptor(msg) == DESC
+    assert msg.nbytes == DESC.end == 161  # the payload, 33 bytes at 128, ends last
 
 
 def test_packed_indices_arrive_as_a_list_of_ints():
