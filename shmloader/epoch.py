@@ -154,6 +154,9 @@ class ShmDataLoaderIter(NextBatch):
             self._num_yielded = skip
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
+            # Batches the user dropped since the last next() give their slots to the first
+            # tasks: else those wait, decided and unsent, until the first next().
+            self._leases.drain()
             for _ in range(d.max_tasks):  # torch primes the prefetch loop with this many attempts
                 self._try_put()
 

@@ -15,6 +15,9 @@ a slot, let another process write into a batch the user still holds, or block fo
   700 KiB): the main process must not block writing a TASK while the worker blocks writing its
   READY.
 
+- ``iter()`` right after the user drops every batch of the last epoch: the dead batches' slots
+  go to the new epoch's first tasks at once, rather than at the first ``next()``.
+
 - An IterableDataset with persistent workers whose epoch is abandoned while the worker still
   has tasks past the end of its replica: those tasks are skipped (as torch's are) yet answered,
   so their slots come back and ``state_dict()``, which waits for them, returns.
@@ -521,3 +524,16 @@ def test_after_an_outsized_batch_small_batches_still_fit_under_the_cap() -> None
     )
     sizes = [b.numel() for b in loader]
     assert sizes == [data.width_of(i) for i in range(16)]
+
+
+@frees_its_loaders_on_failure
+def test_iter_gives_the_slots_of_batches_dropped_since_to_its_first_tasks() -> None:
+    loader = shmloader.DataLoader(
+        TorchRows(16), batch_size=2, num_workers=2, persistent_workers=True,
+        timeout=LOADER_TIMEOUT_S,
+    )  # fmt: skip
+    held = list(loader)  # every batch of the epoch held: their slots are all lent
+    del held  # dropped: dead, not yet given back
+    it = iter(loader)
+    assert not it._dispatch.unsent  # every task it primed went out with a slot
+    assert [batch[1].tolist() for batch in it] == [[i, i + 1] for i in range(0, 16, 2)]
