@@ -70,8 +70,9 @@ class LoaderStats:
     - ``slot_sizes``: the slot size classes in bytes, ascending.
     - ``high_water_bytes``: the most bytes ever in use at once.
     - ``growth_events``: how many times a slab was added; ``slabs``: how many exist.
-    - ``slots_hollow``: free slots whose memory went back to the system at the cap (counted in
-      ``slots_free``, not in ``bytes_reserved``; :meth:`arena.Arena.hollow`).
+    - ``slots_hollow``: free slots whose memory went back to the system, at the cap or once
+      batches shrank to a quarter of their size or less (counted in ``slots_free``, not in
+      ``bytes_reserved``; :meth:`arena.Arena.hollow`).
     """
 
     arena: ArenaStats
