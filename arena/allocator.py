@@ -23,14 +23,15 @@ Invariants:
   ``acquire`` always prefers the smallest class that fits.
 - Snug slots: a class is *loose* for a request when it is at least ``LOOSE`` times the request
   and at least ``LOOSE_MIN_BYTES``. A request whose smallest fitting class is loose is served
-  from the *snug* class, the power of two at or above it: grown for it (as above, doubling) when
-  that leaves at least as much room under the cap as it takes; then the free slots of classes
-  loose for it are hollowed (their memory goes back: the batches have become smaller), and so
-  is every slot of those classes released later, until a request needs them again (one at
-  least a ``LOOSE``-th of the smallest of them). An owner that knows its requests fell says so
-  (:meth:`Arena.requests_fell`), with the same effect. Only when no snug slab fits does a loose
-  slot serve the request. So a held small batch never pins a big slot while there is room for
-  a small one, and the arena's memory follows batches that shrink.
+  from the *snug* class, the power of two at or above it. Growth for it grows that class (as
+  above, doubling). Where a loose slot is free instead, a snug slab is added only when it leaves
+  at least as much room under the cap as it takes (else the loose slot serves); then the free
+  slots of the classes loose for the request are hollowed (their memory goes back: the batches
+  have become smaller), and so is every slot of those classes released later, until a bigger
+  request comes (more than a ``LOOSE``-th of the size from which they are loose). An owner
+  that knows its requests fell says so (:meth:`Arena.requests_fell`), with the same effect. So
+  a held small batch never pins a big slot while there is room for a small one, and the
+  arena's memory follows batches that shrink.
 - A slab whose slots are all FREE can be given back (``give_back_idle``), lowering
   ``bytes_reserved``; its slab id is never reused, so refs to its slots stay stale forever.
 - A FREE slot can be *hollowed* (``hollow``): its pages go back to the system (``MADV_REMOVE``)

@@ -12,13 +12,12 @@ cap; the main process raises the error, the worker moves on), ``ATTACH`` (map a 
 loses the slot it was sent with: it asks for one when it gets there), ``RESUME`` (a new epoch
 begins), ``STOP`` (exit).
 Worker -> main: ``READY`` (the batch is in the slot, using so many of its bytes; its layout
-follows), ``NEED_SLOT`` (the
-batch needs ``nbytes``; the worker waits for ``GRANT`` or ``DENY``), ``FAILED`` (dataset or
-collate raised), ``EXHAUSTED`` (the worker's IterableDataset replica is done), ``DROPPED`` (the
-task belongs to an epoch that a later ``RESUME`` abandoned: fetched, as torch does, but its slot
-was not touched), ``REPLICA`` (the state of the worker's IterableDataset replica after a task,
-pickled, sent just before that task's answer; only for datasets with ``state_dict`` /
-``load_state_dict``, for ``DataLoader.state_dict()``).
+follows), ``NEED_SLOT`` (the batch needs ``nbytes``; the worker waits for ``GRANT`` or
+``DENY``), ``FAILED`` (dataset or collate raised), ``EXHAUSTED`` (the worker's IterableDataset
+replica is done), ``DROPPED`` (the task belongs to an epoch that a later ``RESUME`` abandoned:
+fetched, as torch does, but its slot was not touched), ``REPLICA`` (the state of the worker's
+IterableDataset replica after a task, pickled, sent just before that task's answer; only for
+datasets with ``state_dict`` / ``load_state_dict``, for ``DataLoader.state_dict()``).
 
 A task's index travels as raw little-endian int64 when it is a :class:`PackedIndices` (the fast
 sampler path, :mod:`shmloader.sampling`: the worker gets a ``list`` of ``int``, as torch's batch

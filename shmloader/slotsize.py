@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Final
 
 # Batches a size is remembered for, at least. Short, so a shrink takes effect within a few
-# batches (each held batch of the transition may still sit in a big slot); a batch larger than
-# every one remembered costs one round trip (NEED_SLOT, GRANT), and only when no slot of the
-# size it needs happens to be free.
+# batches (a small batch sent meanwhile may still take a big slot, and keep it while held); a
+# batch larger than every one remembered costs one round trip (NEED_SLOT, GRANT) when it
+# outgrows the slot its task was sent with (size classes at least double, so often it fits).
 WINDOW: Final = 8
 
 
