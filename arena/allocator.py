@@ -92,6 +92,11 @@ LOOSE_MIN_BYTES = 1 << 20  # ... when it is at least this big (smaller slots was
 _NEVER = 1 << 62  # a slot size no class reaches
 
 
+def loose_from(need: int) -> int:
+    """The smallest class that is loose for a request of ``need`` (page-aligned) bytes."""
+    return max(LOOSE * need, LOOSE_MIN_BYTES)
+
+
 def default_max_bytes() -> int:
     """Default cap: half of the RAM available when the arena is made."""
     return mem_available_bytes() // 2
@@ -190,6 +195,7 @@ class Arena:
         for size in self._classes[bisect.bisect_left(self._classes, need) :]:
             free = self._free[size]
             if free:
+                # (loose_from inlined: this is every batch's path)
                 if size >= LOOSE * need and size >= LOOSE_MIN_BYTES and self._grow_snug(
                     need, past_cap
                 ):
@@ -204,7 +210,7 @@ class Arena:
         """Grow the snug class for ``need`` when its slab leaves at least as much room under the
         cap as it takes, then hollow the free slots of the classes loose for ``need`` (module
         invariants). False, and nothing changed, when it does not fit."""
-        loose = max(LOOSE * need, LOOSE_MIN_BYTES)
+        loose = loose_from(need)
         size, nslots = self._plan(need, past_cap)
         room = self.max_bytes + past_cap - self._reserved
         if nslots < 1 or size >= loose or 2 * size * nslots > room:
@@ -213,26 +219,26 @@ class Arena:
             self._add_slab(size, nslots)
         except (ArenaCapacityError, ArenaDescriptorError):
             return False  # no memory or descriptor for it now: a loose slot serves the request
-        for cls in self._classes[bisect.bisect_left(self._classes, loose) :]:
-            self._hollow_class(cls)
-        self._idle_from = min(self._idle_from, loose)
+        self._out_of_use(loose)
         return True
 
     def requests_fell(self, nbytes: int) -> int:
         """The owner's requests are at most ``nbytes`` from now on: the classes loose for it go
         out of use (module invariants). Returns the bytes given back now."""
         with self._lock:
-            loose = max(LOOSE * page_align(nbytes), LOOSE_MIN_BYTES)
-            self._idle_from = min(self._idle_from, loose)
-            done = 0
-            for cls in self._classes[bisect.bisect_left(self._classes, loose) :]:
-                done += self._hollow_class(cls)
-            return done
+            return self._out_of_use(loose_from(page_align(nbytes)))
+
+    def _out_of_use(self, loose: int) -> int:
+        """Classes of ``loose`` bytes and up go out of use: their free slots are hollowed now,
+        their other slots as they are released. Returns the bytes given back now."""
+        self._idle_from = min(self._idle_from, loose)
+        classes = self._classes[bisect.bisect_left(self._classes, loose) :]
+        return sum(self._hollow_class(cls) for cls in classes)
 
     def _take_hollow(self, need: int, past_cap: int) -> SlotRef | None:
         """A hollowed slot of at least ``need``, its bytes reserved again, if the cap allows (a
         slab of the snug class first, if a hollowed slot would be loose for ``need``)."""
-        loose = max(LOOSE * need, LOOSE_MIN_BYTES)
+        loose = loose_from(need)
         for size in self._classes[bisect.bisect_left(self._classes, need) :]:
             hollow = self._hollow.get(size)
             if not hollow or self._reserved + size > self.max_bytes + past_cap:
@@ -309,7 +315,7 @@ class Arena:
         fitting = self._classes[bisect.bisect_left(self._classes, need) :]
         if fitting:
             size = fitting[0]
-            if size >= max(LOOSE * need, LOOSE_MIN_BYTES):
+            if size >= loose_from(need):
                 size = 1 << (need - 1).bit_length()  # the snug class: a power of two of pages
             if size > room:
                 size = need  # at the cap: a slab of just this size, if that still fits
