@@ -474,7 +474,9 @@ class Dispatch:
         leases = self.host.leases
         guess = seq in self.unsent and seq not in self.asked
         for step in ("drain", "grow", "give back", "collect"):
-            if step == "give back":
+            if step == "grow":
+                self.host.end_pending()  # slots of an iterator whose ending was cut short
+            elif step == "give back":
                 self._revoke_unstarted()
                 self._make_room()
             elif step == "collect":

@@ -2,7 +2,8 @@
 
 One instance per ``iter(loader)`` (or one for the loader's life with ``persistent_workers``):
 
-    __init__: arena host, workers (:mod:`shmloader.startup`), Dispatch, the teardown finalizer
+    __init__: arena host, workers (:mod:`shmloader.startup`), Dispatch, its
+        :class:`~shmloader.ending.Ending` (the teardown, also run when it is dropped)
     _reset (each epoch): torch's base seed and sampler iterator, a resumed plan's replayed draws
         and skipped batches, RESUME frames to persistent workers, then torch's priming puts
     next(): :mod:`shmloader.nextbatch` (the per-batch path; this class extends it)
@@ -19,8 +20,9 @@ Invariants:
   equivalent fast path of :mod:`shmloader.sampling`).
 - Every slot that reaches the main process leaves it: yielded (then released with its lease),
   released when its batch fails to rebuild or the sampler raises while it is handed out, or
-  released at teardown (a finished, dropped or failed iterator stops its workers, then queues
-  every slot it holds for release).
+  released at its end (a finished, dropped or failed iterator stops its workers, then queues
+  every slot it holds for release: :mod:`shmloader.ending`, which finishes later an end that an
+  interruption cut short).
 - A dead worker, or an interruption that leaves a change half done, fails the iterator
   (:mod:`shmloader.nextbatch`). An iterator inherited through ``fork()`` refuses to yield: its
   slots are the parent's.
@@ -41,31 +43,16 @@ import torch
 
 from shmloader import protocol as P
 from shmloader.dispatch import Dispatch
+from shmloader.ending import Ending
 from shmloader.host import ArenaHost
-from shmloader.lease import Leases
 from shmloader.nextbatch import NextBatch
 from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress
 from shmloader.sampling import fast_batches
 from shmloader.startup import start_workers
 from shmloader.state import EpochStart, untouched_rngs
-from shmloader.supervisor import Supervisor
 
 HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_device) -> host
-
-
-def _teardown(pid: int, sup: Supervisor, dispatch: Dispatch, leases: Leases) -> None:
-    """Stop the workers, then queue every slot the iterator holds for release. May run inside
-    the garbage collector: it takes no lock and leaves the releases to the next safe point.
-    Everything is inside the ``try``, so an interruption anywhere after its first line still
-    ends the workers and queues the slots (hence the two pid tests)."""
-    try:
-        if os.getpid() == pid:  # inherited through fork(): the workers and slots are the parent's
-            sup.shutdown()
-    finally:
-        if os.getpid() == pid:
-            sup.kill()  # reaps at once; ends any worker an interruption left running
-            leases.dead.extend(dispatch.all_slots())  # no worker of it can write them now
 
 
 class ShmDataLoaderIter(NextBatch):
@@ -95,10 +82,11 @@ class ShmDataLoaderIter(NextBatch):
         self._workers = self._sup.procs  # torch's name: pid, exitcode, is_alive(), join()
         max_tasks = (loader.prefetch_factor or 2) * nw
         self._dispatch = Dispatch(host, self._sup, nw, max_tasks, loader.in_order, self._lock)
-        # Dropped, exhausted or failed: stop the workers, then give back every slot in flight.
-        self._finalizer = weakref.finalize(
-            self, _teardown, self._pid, self._sup, self._dispatch, self._leases
-        )
+        # Dropped, exhausted or failed: stop the workers, then give back every slot in flight;
+        # the host finishes an ending an interruption cut short (shmloader.ending).
+        self._ending = ending = Ending(self, self._lock, self._sup, self._dispatch, self._leases)
+        host.endings.append(ending)
+        weakref.finalize(self, ending)
         self.failure = None
         self._safe = False
         self._reset(loader, first_iter=True)

@@ -18,6 +18,8 @@ Invariants:
 - ``sizes.largest`` is the largest of the latest batches of any iterator, in bytes
   (:mod:`shmloader.slotsize`); dispatch takes slots of that size, so steady state needs no
   NEED_SLOT round trip, and small batches stop taking big slots once batches have shrunk.
+- ``endings`` keeps each iterator's :class:`~shmloader.ending.Ending` until it has run to its
+  end; :meth:`end_pending` finishes those an interruption cut short.
 - ``close()`` waits (at most ``CLOSE_SETTLE_S``) for the GPU's copies from the fence's slots,
   unregisters pinned memory, then closes the arena; views still alive stay valid. A slab the
   GPU may still read from is never unregistered: after that wait it is left page-locked.
@@ -32,6 +34,7 @@ from typing import Any
 
 from arena import Arena, Backend, userwarn
 from shmloader import afterfork
+from shmloader.ending import Ending
 from shmloader.export import StatsExport
 from shmloader.fence import CopyFence, cuda_events
 from shmloader.lease import Leases
@@ -73,6 +76,8 @@ class ArenaHost:
         self.rng_rings: weakref.WeakSet[RngRing] = weakref.WeakSet()
         # The dispatchers (shmloader.dispatch.Dispatch) of the iterators borrowing this host.
         self.dispatches: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Their endings, kept until each has run to its end (shmloader.ending).
+        self.endings: list[Ending] = []
         self.export = StatsExport.from_environment()  # None unless a profiler asked
         self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, leases)
 
@@ -98,6 +103,15 @@ class ArenaHost:
             slots_kept=kept, bytes_kept=kept_bytes,
             batches_spilled=len(spilled), bytes_spilled=sum(spilled), bytes_rng_rings=rings,
         )  # fmt: skip
+
+    def end_pending(self) -> None:
+        """At a safe point: finish the endings an interruption cut short, of iterators that are
+        gone or asked to end, and forget those that finished."""
+        if not self.here:
+            return
+        for ending in self.endings:
+            ending.end_if_due()
+        self.endings = [e for e in self.endings if not e.done]
 
     def close(self) -> None:
         """Unregister pinned slabs, then close the arena. Idempotent."""

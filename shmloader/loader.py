@@ -166,6 +166,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """This loader's arena in this process: made on first use, and made anew in a process
         other than the one that made it (a fork of the main process), never shared, or once an
         interruption may have left it half-changed (``retired``)."""
+        if self._host is not None:
+            self._host.end_pending()  # iterators whose ending an interruption cut short
         if self._host is None or not self._host.here or self._host.retired:
             opts = self.arena_options
             self._host = ArenaHost(
@@ -226,6 +228,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._host is None or not self._host.here:
             st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         else:
+            self._host.end_pending()
             st = self._host.snapshot()
         if (rank, world) == (0, 1):
             return st

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from typing import Any
 
 from shmloader import protocol as P
 from shmloader._torch_compat import _BaseDataLoaderIter, profiler_enabled
 from shmloader.dispatch import Dispatch
+from shmloader.ending import Ending
 from shmloader.host import ArenaHost
 from shmloader.interrupts import DESIGNED, touched_the_books, unusable_after
 from shmloader.lease import Leases
@@ -53,7 +53,7 @@ class NextBatch(_BaseDataLoaderIter):
     _dispatch: Dispatch
     _progress: WorkerProgress  # the workers' resume records
     _at: SamplerProgress  # where the epoch's sampler stands
-    _finalizer: weakref.finalize[Any, Any]  # stops the workers, queues every slot for release
+    _ending: Ending  # stops the workers, queues every slot for release (shmloader.ending)
     _pid: int  # the process the iterator belongs to
     _ended: bool  # the epoch has ended (StopIteration raised)
     failure: str | None  # why the iterator is unusable; None while it is usable
@@ -116,7 +116,7 @@ class NextBatch(_BaseDataLoaderIter):
             if not d.pending(d.status.__getitem__):
                 self._ended = True
                 if not self._persistent_workers:
-                    self._finalizer()
+                    self._ending()
                     self._leases.drain()
                 raise StopIteration
             self._receive()
@@ -224,7 +224,7 @@ class NextBatch(_BaseDataLoaderIter):
         raise RuntimeError(self.failure)
 
     def _shutdown_workers(self) -> None:
-        self._finalizer()
+        self._ending()
         if self.here:
             self._leases.drain()
 

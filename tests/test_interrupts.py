@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import shmloader
+from shmloader import ending
 from shmloader import protocol as P
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.lease import Leases
@@ -336,7 +337,7 @@ def test_an_interrupted_teardown_ends_the_workers_before_their_slots_go_back(
     workers = list(it._workers)
     interrupt_once(Supervisor, "shutdown", 1)
     with pytest.raises(KeyboardInterrupt):
-        it._finalizer()
+        it._ending()
     assert all(p.exitcode is not None for p in workers), "a worker outlived the slot hand-back"
     del it
     st = loader.stats()
@@ -360,3 +361,98 @@ def test_a_slot_taken_for_a_task_but_not_yet_given_to_it_comes_back(interrupt_on
     assert firsts(list(loader)) == ALL
     st = loader.stats()
     assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
+
+
+
+@pytest.mark.parametrize("how", ["dropped", "a-worker-died", "interrupted-twice"])
+@frees_its_loaders_on_failure
+def test_an_interruption_before_a_teardowns_first_line_loses_no_slot(
+    interrupt_once: Any, how: str
+) -> None:
+    """An interruption before the first line of an iterator's teardown, which then never ran
+    again, so the iterator's slots stayed WRITING or READY for good: as the garbage collector
+    runs it for a dropped iterator (where the exception is only printed), as a dead worker fails
+    the iterator, or as a second Ctrl-C lands while the first one stops the iterator."""
+    from shmloader.dispatch import Dispatch
+
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    interrupt_once(ending, "_teardown", 1)
+    it = iter(loader)
+    next(it)
+    workers = list(it._workers)
+    if how == "dropped":
+        del it
+        gc.collect()
+    elif how == "a-worker-died":
+        workers[0].kill()
+        workers[0].join()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in it:
+                pass
+        assert "worker" in (it.failure or "")
+    else:
+        interrupt_once(Dispatch, "_give", 1)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in it:
+                pass
+        assert "interrupted by KeyboardInterrupt" in (it.failure or "")
+    if how != "dropped":  # stats() finishes the ending the failed iterator asked for
+        st = loader.stats()
+        assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
+        assert all(p.exitcode is not None for p in workers), "the old workers were left running"
+        del it
+    again = iter(loader)  # the next iterator finishes an ending left pending before it starts
+    assert all(p.exitcode is not None for p in workers), "the old workers were left running"
+    assert firsts(list(again)) == ALL
+    st = loader.stats()
+    assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
+
+
+@frees_its_loaders_on_failure
+def test_the_batch_needed_next_gets_the_slots_of_an_ending_cut_short(interrupt_once: Any) -> None:
+    """At the cap, another iterator of the loader was dropped and its ending cut short before
+    its first line: its slots are the only room for the live iterator's next batch, which used
+    to raise ``ArenaExhaustedError`` (nothing of the dropped one would ever come back)."""
+    slot = 4096  # a batch of 4 rows of 64 int64 values fits one page
+    loader = shmloader.DataLoader(
+        Rows(), batch_size=4, num_workers=2, prefetch_factor=3, arena_max_bytes=7 * slot,
+        arena_slots_per_slab=7, timeout=30,
+    )  # fmt: skip
+    for _ in loader:  # the batch size is known, and the cap's one slab of seven slots exists
+        pass
+    assert loader.stats().slot_sizes == (slot,)
+    first = iter(loader)
+    held = next(first)  # 6 tasks in flight and this batch: every slot of the cap
+    second = iter(loader)  # its tasks wait for slots
+    interrupt_once(ending, "_teardown", 1)
+    del first
+    gc.collect()
+    assert [int(b[0, 0]) for b in second] == ALL
+    assert int(held[0, 0]) == 0
+
+
+@frees_its_loaders_on_failure
+def test_an_ending_interrupted_after_its_last_line_runs_again_harmlessly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interruption after the teardown returned and before its ending recorded that: the
+    host runs it again, which must neither fail nor hand any slot back twice."""
+    real, runs = ending._teardown, [0]
+
+    def then_interrupted(*args: Any) -> None:
+        real(*args)
+        runs[0] += 1
+        if runs[0] == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ending, "_teardown", then_interrupted)
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    next(it)
+    del it  # the garbage collector's ending prints the interruption and is left pending
+    gc.collect()
+    assert firsts(list(loader)) == ALL
+    assert runs[0] == 3  # the first iterator's twice, the second's once
+    st = loader.stats()
+    assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
+    assert st.slots_by_state.get("free", 0) == st.slots_total
