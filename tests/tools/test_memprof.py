@@ -239,10 +239,12 @@ MEMFD_SCRIPT = textwrap.dedent(
     os.unlink(path)
     memfd = os.memfd_create("memprof-test")
     maps = []
+    chunk = b"z" * (1 << 20)  # written a MiB at a time: no private copy of the whole size
     for fd, mib in ((shm_fd, 24), (memfd, 48)):
         os.ftruncate(fd, mib << 20)
         maps.append(mmap.mmap(fd, mib << 20))
-        maps[-1][:] = b"z" * (mib << 20)
+        for off in range(0, mib << 20, 1 << 20):
+            maps[-1][off:off + (1 << 20)] = chunk
     r, w = os.pipe()
     if os.fork() == 0:
         os.close(w)
