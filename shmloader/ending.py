@@ -22,8 +22,11 @@ Invariants:
   dispatcher or arena alive; what a teardown does twice is harmless (stopping stopped workers;
   the slots are taken once, by :meth:`Dispatch.all_slots`, which empties the dispatcher).
 - No worker can write a slot the ending hands back: the workers are killed and reaped first.
-- The slots are queued by one append (a function that takes them at the next drain), so no
-  interruption can land between taking them and queueing them.
+- The slots go straight from the dispatcher to ``leases.dead``: :meth:`Dispatch.all_slots`
+  empties the dispatcher after its last call, and nothing that could run a signal handler lies
+  between that and ``extend`` taking the list. Nothing of the dispatcher is queued, so
+  ``leases.dead`` (which the loader's arena keeps until it closes) never keeps the dispatcher,
+  and through it the arena, alive.
 - Runs at a sweep only for an iterator that is gone or asked to end, and only with its lock
   (never one another thread is inside).
 - Takes no lock itself and leaves the releases to the next safe point (``leases.dead``): it may
@@ -53,9 +56,7 @@ def _teardown(pid: int, sup: Supervisor, dispatch: Dispatch, leases: Leases) -> 
     finally:
         if os.getpid() == pid:
             sup.kill()  # reaps at once; ends any worker an interruption left running
-            # No worker of it can write its slots now. The next drain takes them: one append,
-            # so no interruption can land between taking them and queueing them.
-            leases.dead.append(dispatch.all_slots)
+            leases.dead.extend(dispatch.all_slots())  # no worker of it can write them now
 
 
 class Ending:

@@ -13,10 +13,8 @@ Lease life cycle::
 Invariants:
 - A slot is released only after every view of its batch is gone (or by ``release_early``).
 - Nothing here that can run inside the garbage collector takes a lock or touches the arena: a
-  view's death (the weakref callback) and an iterator's ending only *append* to :attr:`dead`
-  (``deque.append``, atomic under the GIL; the ending appends one function that takes all of
-  its iterator's slots at the drain, so an interruption cannot land between taking them and
-  queueing them). The owner drains :attr:`dead` at safe points
+  view's death (the weakref callback) and an iterator's finalizer only *append* to :attr:`dead`
+  (``deque.append``, atomic under the GIL). The owner drains :attr:`dead` at safe points
   (:meth:`Leases.drain`: each ``__next__``, each ``stats()``, before the arena grows).
 - Threads: one re-entrant lock guards the lease tables, the fence and the quarantines, so
   ``stats()``, ``shmloader.release()`` and the iterator may run in different threads. Code that
@@ -87,11 +85,6 @@ class Quarantine:
         self.active = True
 
 
-# What waits in ``Leases.dead`` for the next drain: a dead batch's lease, a slot never lent, a
-# lifted quarantine, or an ended iterator's function that takes all of its slots.
-Dead = Lease | SlotRef | Quarantine | Callable[[], list[SlotRef]]
-
-
 class Leases:
     """The batches of one arena that the user holds."""
 
@@ -107,7 +100,7 @@ class Leases:
         self._inside: int | None = None  # the thread inside a drain, early release or settle
         self.fence = fence  # None: slots go back as soon as their batch is gone
         self._fenced = fenced  # whether a slab's slots go through the fence (it is page-locked)
-        self.dead: deque[Dead] = deque()  # appended from callbacks
+        self.dead: deque[Lease | SlotRef | Quarantine] = deque()  # appended from callbacks
         self._quarantines: list[Quarantine] = []  # active, or lifted and not yet drained
         self.rebuilder = Rebuilder()
         self._live: dict[int, Lease] = {}  # id -> lease (a weakref hashes as its referent)
@@ -278,10 +271,8 @@ class Leases:
                 if x in self._quarantines:
                     self._quarantines.remove(x)  # (another iterator's workers may still read)
                     n += sum(self._give_back(ref) for ref in x.held)
-            elif isinstance(x, SlotRef):
+            else:
                 n += self.arena.release(x)  # a slot never lent: no copy can read it
-            else:  # an ended iterator's slots (shmloader.ending), taken now
-                dead.extend(x())
         if fence is not None:
             if held:
                 try:

@@ -1,4 +1,5 @@
-"""Suite-wide guards: every test must leave no /dev/shm entry and no child process behind.
+"""Suite-wide guards: every test must leave no /dev/shm entry, no arena memory and no child
+process behind.
 
 The guard is autouse, so it applies to every test in the suite. After the test body it collects
 garbage (a dropped loader shuts down through its finalizer), then gives children a bounded grace
@@ -7,6 +8,12 @@ the test naming whatever is left. It then kills the leftover children so one lea
 cascade, and unlinks the leftover ``/dev/shm`` entries. Only entries that carry shmloader's prefix
 count (every segment name the arena makes has it): a run beside other jobs must neither fail
 because of their entries nor delete their semaphores.
+
+Arena segments have no name (``O_TMPFILE`` on ``/dev/shm``, or a memfd), so a leaked arena
+leaves no entry: the guard also fails a test after which this process still has an arena
+segment open or mapped that it did not have before (``/proc/self/fd`` and ``/proc/self/maps``;
+its memory is not freed while either holds it). Such a segment cannot be taken back from here,
+so it stays counted as "before" for the tests after.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 from collections.abc import Iterator
 
 import psutil
@@ -30,6 +38,26 @@ def _shm_entries() -> set[str]:
         return {name for name in os.listdir(SHM_DIR) if name.startswith(OUR_PREFIX)}
     except FileNotFoundError:
         return set()
+
+
+# How an arena segment shows in /proc/self/fd and /proc/self/maps: an unnamed /dev/shm file
+# (O_TMPFILE), a named one unlinked at once (the fallback without O_TMPFILE), or a memfd.
+_SEGMENT = re.compile(r"^(/dev/shm/#\d+|/dev/shm/shmloader-\S+|/memfd:shmloader-slab) \(deleted\)$")
+
+
+def _segments() -> set[int]:
+    """Inode numbers of the arena segments this process has open or mapped."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
+            if _SEGMENT.match(os.readlink(f"/proc/self/fd/{fd}")):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and _SEGMENT.match(fields[5].strip()):
+                held.add(int(fields[4]))
+    return held
 
 
 def _children() -> dict[int, psutil.Process]:
@@ -51,12 +79,14 @@ def _children() -> dict[int, psutil.Process]:
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     shm_before = _shm_entries()
+    segments_before = _segments()
     kids_before = set(_children())
     yield
     gc.collect()
     new_kids = [p for pid, p in _children().items() if pid not in kids_before]
     _, alive = psutil.wait_procs(new_kids, timeout=CHILD_GRACE_S)
     leaked_shm = sorted(_shm_entries() - shm_before)
+    leaked_segments = sorted(_segments() - segments_before)
     problems = []
     if alive:
         problems.append(
@@ -71,5 +101,10 @@ def no_leaks() -> Iterator[None]:
         for name in leaked_shm:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, name))
+    if leaked_segments:
+        problems.append(
+            f"{len(leaked_segments)} arena segments still open or mapped after the test "
+            f"(inodes {leaked_segments[:8]}): a loader, iterator or batch outlived it"
+        )
     if problems:
         pytest.fail("; ".join(problems))

@@ -43,6 +43,8 @@ import select
 import sys
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -537,3 +539,25 @@ def test_iter_gives_the_slots_of_batches_dropped_since_to_its_first_tasks() -> N
     it = iter(loader)
     assert not it._dispatch.unsent  # every task it primed went out with a slot
     assert [batch[1].tolist() for batch in it] == [[i, i + 1] for i in range(0, 16, 2)]
+
+
+@pytest.mark.parametrize("how", ["broken-out-of", "persistent-workers", "peeked"])
+@frees_its_loaders_on_failure
+def test_a_dropped_loader_gives_its_arena_back_at_once(how: str) -> None:
+    """Review 13: an iterator's ending queued a function of its dispatcher for the next drain;
+    where none came (an epoch broken out of, persistent workers, ``next(iter(loader))``), the
+    loader's arena stayed alive and mapped, its whole size, until the process exited."""
+    loader = shmloader.DataLoader(
+        TorchRows(16), batch_size=2, num_workers=2, persistent_workers=how == "persistent-workers",
+        timeout=LOADER_TIMEOUT_S,
+    )  # fmt: skip
+    it = iter(loader)
+    batch = next(it)
+    if how == "broken-out-of":
+        batch = next(it)
+    elif how == "persistent-workers":
+        batch = deque(it, maxlen=1)[0]  # the epoch to its end, holding its last batch
+    host = weakref.ref(loader._host)
+    del it, batch, loader
+    gc.collect()
+    assert host() is None, "the dropped loader's arena is still alive"
