@@ -257,6 +257,10 @@ _libc.mmap.argtypes = [
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_MAP_NORESERVE = 0x4000  # Linux
+_PROT_NONE = 0
 
 
 def _map(
@@ -268,9 +272,18 @@ def _map(
 
     Python's ``mmap.mmap`` keeps a duplicate of the descriptor for the mapping's life (until
     Python 3.13's ``trackfd``): one descriptor per slab in every process. The kernel needs none
-    once the mapping exists, so this maps through libc instead."""
-    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-    addr = _libc.mmap(None, size, prot, flags, fd, 0)
+    once the mapping exists, so this maps through libc instead.
+
+    An interruption (Ctrl-C, a signal handler's exception) that arrives during the mapping call
+    runs as it returns: with ``MAP_POPULATE`` that call faults the whole segment in, milliseconds
+    for a large slab, and a mapping returned to nobody would hold its memory until the process
+    exits. So the address range is reserved first (inaccessible, no memory: a fast call) and
+    handed to the array and its unmapping finalizer; the segment is then mapped over it
+    (``MAP_FIXED``). An interruption after the reservation unmaps whatever the range holds
+    with the array; one in the reservation's own few steps can leave only address space."""
+    addr = _libc.mmap(
+        None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
+    )
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
@@ -280,6 +293,11 @@ def _map(
     # flush of buffered records, a daemon thread) would read unmapped memory. The kernel unmaps
     # everything when the process ends.
     weakref.finalize(array, _libc.munmap, addr, size).atexit = False
+    flags = mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0)
+    got = _libc.mmap(addr, size, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
     return array
 
 
@@ -298,11 +316,6 @@ def reopen_descriptor(owner_pid: int, fd: int, flags: int) -> int:
     if owner_pid == os.getpid():
         return os.dup(fd)  # (not inheritable)
     return os.open(f"/proc/{owner_pid}/fd/{fd}", flags | os.O_CLOEXEC)
-
-
-_MAP_FIXED = 0x10  # Linux; the mmap module does not export it
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_MAP_NORESERVE = 0x4000  # Linux
 
 
 def privatize(addr: int, nbytes: int) -> None:

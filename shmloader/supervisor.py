@@ -133,13 +133,15 @@ class Supervisor:
                 mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
                 try:
                     proc.start()
+                    # Recorded before the mask is restored: a Ctrl-C held back while it started
+                    # is delivered there, and the shutdown it leads to must stop and reap it.
+                    self.procs.append(proc)
+                    _started.add(proc)
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     raise _start_error(e, cfg) from e
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                     child.close()
-                self.procs.append(proc)
-                _started.add(proc)
         except BaseException:
             self.shutdown()
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -456,3 +457,37 @@ def test_an_ending_interrupted_after_its_last_line_runs_again_harmlessly(
     st = loader.stats()
     assert st.slots_by_state.get("writing", 0) == st.slots_by_state.get("ready", 0) == 0
     assert st.slots_by_state.get("free", 0) == st.slots_total
+
+
+@frees_its_loaders_on_failure
+def test_a_ctrl_c_held_back_while_a_worker_starts_leaves_no_child_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGINT is blocked while a worker process starts, so a Ctrl-C then is delivered as the
+    mask is restored: the worker had started but was not yet recorded, so nothing stopped and
+    reaped it (it lived on, then stayed a zombie)."""
+    import psutil
+
+    from shmloader import supervisor
+
+    real, calls = signal.pthread_sigmask, [0]
+
+    def delivered_at_restore(how: int, mask: Any) -> Any:
+        old = real(how, mask)
+        calls[0] += 1
+        if calls[0] == 4:  # restoring the mask after the second worker started
+            raise KeyboardInterrupt
+        return old
+
+    before = {p.pid for p in psutil.Process().children()}
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    monkeypatch.setattr(supervisor.signal, "pthread_sigmask", delivered_at_restore)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        iter(loader)
+    monkeypatch.undo()
+    traceback.clear_frames(caught.tb)
+    del caught
+    gc.collect()
+    left = [p for p in psutil.Process().children() if p.pid not in before]
+    assert not left, f"workers left behind: {[(p.pid, p.status()) for p in left]}"
+    assert firsts(list(loader)) == ALL
