@@ -56,6 +56,7 @@ import posix_ipc
 
 from arena import userwarn
 from arena.errors import ArenaCapacityError, ArenaDescriptorError, ArenaError
+from arena.finalizers import on_death
 
 SHM_DIR = "/dev/shm"
 _NAME_PREFIX = "/shmloader-"
@@ -292,7 +293,7 @@ def _map(
     # code that runs after it (an atexit handler registered earlier, a ``__del__``, logging's
     # flush of buffered records, a daemon thread) would read unmapped memory. The kernel unmaps
     # everything when the process ends.
-    weakref.finalize(array, _libc.munmap, addr, size).atexit = False
+    on_death(array, _libc.munmap, addr, size, atexit=False)
     flags = mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0)
     got = _libc.mmap(addr, size, prot, flags, fd, 0)
     if got is None or got == _MAP_FAILED:
@@ -482,7 +483,7 @@ class Segment:
             self._fd = fd.fd
             self.ino = os.fstat(fd.fd).st_ino
             # A segment dropped without close() still gives its descriptor back.
-            self._fd_closer = weakref.finalize(self, fd.close)
+            self._fd_closer = on_death(self, fd.close)
         else:
             self.ino = 0 if ino is None else ino
             # An attacher needs no descriptor once mapped: one per slab per process would run

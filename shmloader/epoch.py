@@ -35,12 +35,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from arena.finalizers import on_death
 from shmloader import protocol as P
 from shmloader.dispatch import Dispatch
 from shmloader.ending import Ending
@@ -86,7 +86,7 @@ class ShmDataLoaderIter(NextBatch):
         # the host finishes an ending an interruption cut short (shmloader.ending).
         self._ending = ending = Ending(self, self._lock, self._sup, self._dispatch, self._leases)
         host.endings.append(ending)
-        weakref.finalize(self, ending)
+        on_death(self, ending)
         self.failure = None
         self._safe = False
         self._reset(loader, first_iter=True)

@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 
 from arena import Arena, Backend, userwarn
+from arena.finalizers import on_death
 from shmloader import afterfork
 from shmloader.ending import Ending
 from shmloader.export import StatsExport
@@ -79,7 +80,7 @@ class ArenaHost:
         # Their endings, kept until each has run to its end (shmloader.ending).
         self.endings: list[Ending] = []
         self.export = StatsExport.from_environment()  # None unless a profiler asked
-        self._closer = weakref.finalize(self, _close, self.pid, self.pinner, self.arena, leases)
+        self._closer = on_death(self, _close, self.pid, self.pinner, self.arena, leases)
 
     @property
     def here(self) -> bool:

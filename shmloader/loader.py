@@ -25,6 +25,7 @@ from typing import Any, SupportsIndex, TypeVar
 import torch.utils.data
 
 from arena import Backend
+from arena.finalizers import run_skipped
 from shmloader import rngstate
 from shmloader import state as S
 from shmloader.epoch import ShmDataLoaderIter
@@ -166,8 +167,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """This loader's arena in this process: made on first use, and made anew in a process
         other than the one that made it (a fork of the main process), never shared, or once an
         interruption may have left it half-changed (``retired``)."""
-        if self._host is not None:
-            self._host.end_pending()  # iterators whose ending an interruption cut short
+        self._finish_cut_short()
         if self._host is None or not self._host.here or self._host.retired:
             opts = self.arena_options
             self._host = ArenaHost(
@@ -178,6 +178,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 pin_device=pin_device,
             )
         return self._host
+
+    def _finish_cut_short(self) -> None:
+        """Finish what interruptions cut short: finalizers whose object died without them
+        running (:mod:`arena.finalizers`: a dropped loader's arena, a slab's mapping), and
+        endings of this loader's iterators (:mod:`shmloader.ending`)."""
+        run_skipped()
+        if self._host is not None:
+            self._host.end_pending()
 
     def _default_slots_per_slab(self) -> int:
         """A slot for each batch the workers may have in flight, plus those the consumer holds
@@ -228,7 +236,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._host is None or not self._host.here:
             st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         else:
-            self._host.end_pending()
+            self._finish_cut_short()
             st = self._host.snapshot()
         if (rank, world) == (0, 1):
             return st

@@ -12,12 +12,12 @@ an arena slot; DataPipes get torch's sharding ``worker_init_fn`` wrapper.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
 
 from arena import Backend
+from arena.finalizers import on_death
 from shmloader import afterfork
 from shmloader._torch_compat import (
     ITERABLE_KIND,
@@ -47,7 +47,7 @@ def start_workers(
     nw: int = it._num_workers
     # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
     rng_ring = RngRing.create(nw, (loader.prefetch_factor or 2) + 4, Backend.MEMFD)
-    weakref.finalize(it, rng_ring.close)
+    on_death(it, rng_ring.close)
     host.rng_rings.add(rng_ring)  # counted by stats() while it lives
     resumed = plan is not None and plan["base_seed"] is not None
     mid_epoch = resumed and plan["in_epoch"]  # type: ignore[index]

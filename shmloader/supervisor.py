@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from arena.finalizers import on_death
 from shmloader import protocol as P
 from shmloader.frames import READ_BYTES, cut_frames, framed
 from shmloader.worker import WorkerConfig, worker_main
@@ -107,7 +108,7 @@ class Supervisor:
         self.polling = False
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
         # registered its teardown) are killed and reaped, not left running.
-        weakref.finalize(self, _end_unstopped, os.getpid(), self.procs)
+        on_death(self, _end_unstopped, os.getpid(), self.procs)
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:

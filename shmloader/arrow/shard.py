@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import stat
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Final
 
@@ -43,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from arena.finalizers import on_death
 from arena.segment import map_readonly, reopen_descriptor
 from shmloader.arrow.errors import ArrowSourceError
 
@@ -177,7 +177,7 @@ class Shard:
         if fd < 0:
             fd, how = _reopen(spec)
         self._fd = fd
-        weakref.finalize(self, os.close, fd)
+        on_death(self, os.close, fd)
         self.check_unchanged(f"since it was opened (re-opened through {how})")
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

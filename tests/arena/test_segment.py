@@ -425,3 +425,33 @@ def test_an_interruption_as_a_mapping_is_made_leaves_nothing_mapped(monkeypatch,
     gc.collect()
     assert len(inodes) == 1
     assert not _mapped(inodes[0]), "the interrupted mapping is still there"
+
+
+def test_a_mapping_whose_finalizer_an_interruption_cut_short_is_unmapped_later(monkeypatch):
+    """An interruption at the first line of a mapping's unmapping finalizer (the garbage
+    collector prints it; weakref never calls it again) left the mapping, and its memory,
+    until the process exited; ``arena.finalizers.run_skipped`` unmaps it."""
+    import weakref
+
+    import arena.segment as seg
+    from arena import finalizers
+
+    real, cut = weakref.finalize.__call__, []
+
+    def interrupted_first(self, _=None):
+        info = self._registry.get(self)
+        if not cut and info is not None and info.func is seg._libc.munmap:
+            cut.append(True)
+            raise KeyboardInterrupt
+        return real(self, _)
+
+    made = seg.Segment.create(1 << 20, "memfd")
+    ino = made.ino
+    monkeypatch.setattr(weakref.finalize, "__call__", interrupted_first)
+    made.close()
+    del made
+    gc.collect()
+    monkeypatch.undo()
+    assert cut and _mapped(ino)  # skipped: still mapped
+    assert finalizers.run_skipped() >= 1
+    assert not _mapped(ino)
