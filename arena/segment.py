@@ -264,6 +264,15 @@ _MAP_NORESERVE = 0x4000  # Linux
 _PROT_NONE = 0
 
 
+def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, what: str) -> int:
+    """libc ``mmap``; its failure is an ``OSError`` with its errno, saying ``what`` was mapped."""
+    got = _libc.mmap(addr, size, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap {what} of {size:,} bytes failed: {os.strerror(err)}")
+    return int(got)
+
+
 def _map(
     fd: int, size: int, populate: bool = True, prot: int = mmap.PROT_READ | mmap.PROT_WRITE
 ) -> ctypes.Array[ctypes.c_char]:
@@ -282,12 +291,8 @@ def _map(
     handed to the array and its unmapping finalizer; the segment is then mapped over it
     (``MAP_FIXED``). An interruption after the reservation unmaps whatever the range holds
     with the array; one in the reservation's own few steps can leave only address space."""
-    addr = _libc.mmap(
-        None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
-    )
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
+    reserve = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    addr = _mmap(None, size, _PROT_NONE, reserve, -1, "(the address range)")
     array = (ctypes.c_char * size).from_address(addr)
     # Not at interpreter exit: weakref's exit hook would run this while views still live, and
     # code that runs after it (an atexit handler registered earlier, a ``__del__``, logging's
@@ -295,10 +300,7 @@ def _map(
     # everything when the process ends.
     on_death(array, _libc.munmap, addr, size, atexit=False)
     flags = mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0)
-    got = _libc.mmap(addr, size, prot, flags, fd, 0)
-    if got is None or got == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err)}")
+    _mmap(addr, size, prot, flags, fd, "(the segment)")
     return array
 
 
@@ -325,17 +327,8 @@ def privatize(addr: int, nbytes: int) -> None:
     writes through other processes' mappings of the segment no longer show here, nor this
     process's there; unmapping the whole mapping later unmaps these pages too."""
     saved = ctypes.string_at(addr, nbytes)
-    got = _libc.mmap(
-        addr,
-        nbytes,
-        mmap.PROT_READ | mmap.PROT_WRITE,
-        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED,
-        -1,
-        0,
-    )
-    if got is None or got == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of a private copy of {nbytes:,} bytes failed: {os.strerror(err)}")
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    _mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, private, -1, "(a private copy)")
     ctypes.memmove(addr, saved, nbytes)
 
 
@@ -345,17 +338,8 @@ def forsake(addr: int, nbytes: int) -> None:
     forked child that will never read those bytes: it no longer keeps the segment's memory
     alive once every other process lets it go. The address range stays reserved, so unmapping
     the whole mapping later cannot hit a mapping made there since."""
-    got = _libc.mmap(
-        addr,
-        nbytes,
-        mmap.PROT_READ | mmap.PROT_WRITE,
-        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
-        -1,
-        0,
-    )
-    if got is None or got == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap over {nbytes:,} shared bytes failed: {os.strerror(err)}")
+    zeros = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+    _mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, zeros, -1, "(zero pages over shared)")
 
 
 def resolve_backend(backend: Backend | str, nbytes: int) -> Backend:
