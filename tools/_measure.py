@@ -345,17 +345,11 @@ def _pss_kb(pid: int) -> int:
 
 class PssSampler:
     """Context manager: a thread tracking the peak summed PSS of this process and its children.
-
-    ``__enter__`` returns once the first sample is taken; from then until the thread ends in
-    ``__exit__`` it counts its own CPU time in ``cpu_seconds``, which the caller subtracts from the
-    process's. (A running thread's CPU time reaches the process clock only at its next tick or
-    switch, so it is read from inside the thread, and the process clock only after it has ended.)
-    """
+    ``__enter__`` returns once the first sample is taken."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s  # <= 0: no sampling, peak_kb stays 0
         self.peak_kb = 0
-        self.cpu_seconds = 0.0
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
@@ -380,11 +374,9 @@ class PssSampler:
     def _run(self) -> None:
         me = psutil.Process()
         self._sample(me)
-        start = time.thread_time()
         self._ready.set()
         while not self._stop.wait(self.interval_s):
             self._sample(me)
-        self.cpu_seconds = time.thread_time() - start
 
 
 # -- processes -----------------------------------------------------------------------------------
