@@ -117,6 +117,20 @@ class Leases:
         self.drain()
         return len(self._live)
 
+    def counter(self) -> Callable[[], tuple[int, int]]:
+        """A reader of the batches of this table whose views are alive, and of their slots'
+        bytes, for an arena retired after an interruption (:mod:`shmloader.interrupts`): it
+        holds only the table of weak references, not this object, its arena or its mappings,
+        and it reads without a drain, so it touches no book an interruption may have left
+        half-changed."""
+        live = self._live
+
+        def count() -> tuple[int, int]:
+            alive = [lease for lease in list(live.values()) if lease() is not None]
+            return len(alive), sum(lease.hi - lease.lo for lease in alive)
+
+        return count
+
     @property
     def kept(self) -> int:
         """Slots whose batch is gone, kept from reuse while workers forked with them live.

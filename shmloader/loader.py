@@ -18,6 +18,7 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex, TypeVar
@@ -75,6 +76,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._live: Callable[[], Any] | None = None  # the latest iterator (a weak reference)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
+        # Readers of the batches the user may still hold from hosts retired after an
+        # interruption (Leases.counter), with the process each belongs to; for stats().
+        self._retired: list[tuple[int, Callable[[], tuple[int, int]]]] = []
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
         super().__init__(
             dataset,
@@ -169,6 +173,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         interruption may have left it half-changed (``retired``)."""
         self._finish_cut_short()
         if self._host is None or not self._host.here or self._host.retired:
+            if self._host is not None and self._host.here:  # retired: its held batches count on
+                self._retired.append((self._host.pid, self._host.leases.counter()))
             opts = self.arena_options
             self._host = ArenaHost(
                 backend=opts.backend,
@@ -226,6 +232,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state["_host"] = None
         state["_iterator"] = None
         state["_live"] = None
+        state["_retired"] = []
         return state
 
     def stats(self) -> LoaderStats:
@@ -238,6 +245,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         else:
             self._finish_cut_short()
             st = self._host.snapshot()
+        retired = self._retired_held()
+        if retired != (0, 0):
+            st = dataclasses.replace(st, batches_retired=retired[0], bytes_retired=retired[1])
         if (rank, world) == (0, 1):
             return st
         return dataclasses.replace(st, rank=rank, world_size=world)
+
+    def _retired_held(self) -> tuple[int, int]:
+        """Batches (and their slots' bytes) the user holds from retired hosts of this process;
+        readers whose batches are all gone are forgotten."""
+        pid = os.getpid()
+        counts = [(owner, count, count() if owner == pid else (0, 0))
+                  for owner, count in self._retired]  # fmt: skip
+        self._retired = [(owner, count) for owner, count, n in counts if n[0] or owner != pid]
+        return sum(n[0] for _, _, n in counts), sum(n[1] for _, _, n in counts)

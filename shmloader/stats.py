@@ -54,6 +54,11 @@ class LoaderStats:
       multi-worker iterators, where workers publish their generators' states for
       ``state_dict()`` (:mod:`shmloader.rngstate`): ``num_workers * (prefetch_factor + 4)``
       entries of 12 KiB each per iterator; outside the arena and its cap.
+    - ``batches_retired``, ``bytes_retired``: batches you still hold from an arena the loader
+      retired after an interruption landed inside its books (:mod:`shmloader.interrupts`; the
+      next iterator got a fresh arena), and the bytes of their slots; outside the current arena
+      and its cap, and gone as you drop those batches. (The rest of a retired arena goes back
+      once its last iterator is gone.)
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or
@@ -86,6 +91,8 @@ class LoaderStats:
     batches_spilled: int = 0
     bytes_spilled: int = 0
     bytes_rng_rings: int = 0
+    batches_retired: int = 0
+    bytes_retired: int = 0
 
     @property
     def backend(self) -> str:
@@ -168,6 +175,8 @@ class LoaderStats:
         row["batches_spilled"] = self.batches_spilled
         row["bytes_spilled"] = self.bytes_spilled
         row["bytes_rng_rings"] = self.bytes_rng_rings
+        row["batches_retired"] = self.batches_retired
+        row["bytes_retired"] = self.bytes_retired
         return row
 
 

@@ -114,6 +114,38 @@ def test_an_interruption_inside_the_arenas_books_retires_the_arena(interrupt_onc
 
 
 @frees_its_loaders_on_failure
+def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
+    interrupt_once: Any,
+) -> None:
+    """A retired arena is outside the next iterator's, but the batches the user still holds from
+    it are shared memory the loader made: stats() counts them until they are dropped."""
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    kept = [next(it), next(it)]
+    dropped = next(it)
+    old = it._host
+    slot = old.arena.stats().slot_sizes[0]
+    interrupt_once(Leases, "_give_back", 1)  # the dropped batch's slot, on its way back
+    del dropped
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert old.retired
+    del it, old
+    gc.collect()
+    fresh = list(loader)  # on a fresh arena; the retired one closes (its last iterator is gone)
+    assert firsts(fresh) == ALL
+    st = loader.stats()
+    assert (st.batches_retired, st.bytes_retired) == (2, 2 * slot)
+    assert st.batches_held == len(fresh)  # the fresh arena's own count, apart
+    assert st.as_row()["bytes_retired"] == 2 * slot
+    assert firsts(kept) == ALL[:2]  # and the batches are intact
+    kept.pop()
+    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+    kept.clear()
+    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+
+
+@frees_its_loaders_on_failure
 def test_what_the_sampler_raises_leaves_the_iterator_usable() -> None:
     class Fails(torch.utils.data.Sampler[int]):
         def __iter__(self) -> Iterator[int]:

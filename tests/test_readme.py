@@ -85,7 +85,8 @@ def test_every_exported_error_is_listed(name):
     "field",
     [*(f.name for f in dataclasses.fields(ArenaStats)), "slots_free", "bytes_in_use",
      "batches_held", "pinned_bytes", "worker_pids", "rank", "world_size", "slots_kept",
-     "bytes_kept", "batches_spilled", "bytes_spilled", "bytes_rng_rings"],
+     "bytes_kept", "batches_spilled", "bytes_spilled", "bytes_rng_rings", "batches_retired",
+     "bytes_retired"],
 )
 def test_every_stats_field_is_documented(field):
     assert f"`{field}`" in README

@@ -14,7 +14,7 @@ STATES = {s.name.lower() for s in SlotState}
 ARENA_FIELDS = [*(f.name for f in dataclasses.fields(ArenaStats)), "slots_free", "bytes_in_use"]
 LOADER_FIELDS = [
     "arena", "batches_held", "pinned_bytes", "worker_pids", "slots_kept", "bytes_kept",
-    "batches_spilled", "bytes_spilled", "bytes_rng_rings",
+    "batches_spilled", "bytes_spilled", "bytes_rng_rings", "batches_retired", "bytes_retired",
 ]
 
 
