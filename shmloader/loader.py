@@ -17,6 +17,7 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import weakref
@@ -253,10 +254,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return dataclasses.replace(st, rank=rank, world_size=world)
 
     def _retired_held(self) -> tuple[int, int]:
-        """Batches (and their slots' bytes) the user holds from retired hosts of this process;
-        readers whose batches are all gone are forgotten."""
-        pid = os.getpid()
-        counts = [(owner, count, count() if owner == pid else (0, 0))
-                  for owner, count in self._retired]  # fmt: skip
-        self._retired = [(owner, count) for owner, count, n in counts if n[0] or owner != pid]
-        return sum(n[0] for _, _, n in counts), sum(n[1] for _, _, n in counts)
+        """Batches (and their slots' bytes) the user holds from retired hosts of this process.
+        Readers whose batches are all gone, or of another process (inherited through fork), are
+        forgotten -- each removed alone, so a reader ``iter()`` adds in another thread meanwhile
+        is never lost."""
+        pid, batches, nbytes = os.getpid(), 0, 0
+        for entry in list(self._retired):
+            owner, count = entry
+            n, b = count() if owner == pid else (0, 0)
+            if not n:
+                with contextlib.suppress(ValueError):  # (another thread removed it first)
+                    self._retired.remove(entry)
+            batches, nbytes = batches + n, nbytes + b
+        return batches, nbytes
