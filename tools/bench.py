@@ -318,7 +318,8 @@ def _meta(args: argparse.Namespace, columns: list[Column], interrupted: bool) ->
         "platform": platform.platform(), "cpu_count": os.cpu_count(), "loader_versions": versions,
         "seed": args.seed, "workers": args.workers, "repeats": args.repeats, "quick": args.quick,
         "max_batches": args.max_batches, "fresh_workers": args.fresh_workers,
-        "pss_interval_s": args.pss_interval, "prefetch_factor": args.prefetch_factor,
+        "pss_interval_s": args.pss_interval, "pss_pass_s": PSS_PASS_S,
+        "prefetch_factor": args.prefetch_factor,
         "interrupted": interrupted,
     }
 
