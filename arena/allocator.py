@@ -355,15 +355,20 @@ class Arena:
     def give_back_idle(self) -> list[int]:
         """Close every slab whose slots are all FREE, making room under the cap for another
         size class. Returns their ids (other processes should unmap them). Refs to their slots
-        become stale: releasing one is a no-op."""
+        become stale: releasing one is a no-op. Each slab's memory goes back before it closes
+        (unless it may not be hollowed): a mapping something still keeps -- a view of a batch
+        released early, a process forked meanwhile -- keeps address space, not the bytes the
+        arena no longer counts."""
         with self._cond:
             idle = [
                 sid
                 for sid, states in self._states.items()
                 if all(state is SlotState.FREE for state in states)
             ]
-            gone = [self._forget_slab(sid) for sid in idle]
-        for slab in gone:
+            gone = [(self._forget_slab(sid), self.can_hollow(sid)) for sid in idle]
+        for slab, hollow in gone:
+            if hollow:
+                slab.segment.punch(0, slab.size)
             slab.close()
         return idle
 

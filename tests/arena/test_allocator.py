@@ -514,6 +514,44 @@ def test_giving_back_a_slab_with_hollow_slots_keeps_the_books():
         check_books(arena)
 
 
+def test_a_slab_given_back_keeps_no_memory_for_a_view_that_outlives_it():
+    """Review 14 F2: a view of a batch released early (``shmloader.release``) kept the whole
+    slab's memory after the arena gave it back at the cap, outside the arena's count and cap."""
+    arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
+    refs = [acquire(arena, PAGE) for _ in range(4)]
+    view = np.frombuffer(arena.slot_buffer(refs[0]), dtype=np.uint8)
+    view[:] = 1
+    fd = os.dup(arena.slab(refs[0].slab_id).segment._fd)  # to watch the slab's memory
+    try:
+        for ref in refs:
+            arena.release(ref)
+        assert os.fstat(fd).st_blocks * 512 == 4 * PAGE
+        assert arena.give_back_idle() == [refs[0].slab_id]
+        assert arena.stats().bytes_reserved == 0
+        assert os.fstat(fd).st_blocks * 512 == 0  # the view keeps the mapping, not the bytes
+        check_books(arena)
+    finally:
+        os.close(fd)
+        arena.close()
+
+
+def test_a_slab_that_may_not_be_hollowed_is_given_back_whole():
+    arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
+    arena.can_hollow = lambda slab_id: False  # page-locked, say
+    refs = [acquire(arena, PAGE) for _ in range(4)]
+    for ref in refs:
+        np.frombuffer(arena.slot_buffer(ref), dtype=np.uint8)[:] = 1
+    fd = os.dup(arena.slab(refs[0].slab_id).segment._fd)
+    try:
+        for ref in refs:
+            arena.release(ref)
+        assert arena.give_back_idle() == [refs[0].slab_id]
+        assert os.fstat(fd).st_blocks * 512 == 4 * PAGE  # not punched
+    finally:
+        os.close(fd)
+        arena.close()
+
+
 def test_a_closed_arena_keeps_only_the_memory_of_slots_still_viewed():
     arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
     refs = [acquire(arena, PAGE) for _ in range(4)]
