@@ -13,11 +13,12 @@ worker, pays that copy too: the held batches' bytes, once per child.
 
 Every other part of the parent's arenas (free slots, slots being written, slots of dropped
 batches) the child never reads, so it replaces those mappings by empty private pages
-(:func:`arena.forsake`) and closes the slabs' inherited descriptors. Otherwise a long-lived
-child (a persistent worker of another loader, a ``multiprocessing.Process``) would keep every
-slab alive in ``/dev/shm`` after the parent gave it back or dropped its loader, unseen by
-``stats()``. (The slab of a slot a shmloader worker shares stays alive until that worker
-exits.)
+(:func:`arena.forsake`) and closes the slabs' inherited descriptors; so too with the parent's
+other shared memory that no child reads (:func:`track_private`: the iterators' RNG rings).
+Otherwise a long-lived child (a persistent worker of another loader, a
+``multiprocessing.Process``) would keep every slab alive in ``/dev/shm`` after the parent gave
+it back or dropped its loader, unseen by ``stats()``. (The slab of a slot a shmloader worker
+shares stays alive until that worker exits.)
 
 Invariants:
 - Only slots lent by the forking process are copied (a grandchild's copies came with its parent),
@@ -47,7 +48,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from arena import privatize, userwarn
+from arena import Segment, privatize, userwarn
 
 if TYPE_CHECKING:
     from shmloader.lease import Leases
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 COPY_WAIT_S = 30.0  # longest a fork waits for the child to copy the batches it inherits
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
+# Other shared memory of this process's loaders that no child reads (RNG rings) -> owner pid.
+_private: weakref.WeakKeyDictionary[Segment, int] = weakref.WeakKeyDictionary()
 # Per forking thread, from before the fork to after: the forking pid, the handshake pipe, the
 # quarantine to lift, and whether it is starting shmloader workers (which copy nothing).
 # Thread-local: another thread's fork, even while workers start here, copies as usual.
@@ -64,6 +67,14 @@ _fork = threading.local()
 def track(leases: Leases) -> None:
     """Copy ``leases``' lent slots into every child this process forks from now on."""
     _tracked[leases] = os.getpid()
+
+
+def track_private(segment: Segment) -> None:
+    """Let every child this process forks from now on give ``segment`` up at once: shared
+    memory that no child reads through the mapping it inherits (an iterator's RNG ring; its own
+    workers attach it afresh). Review 14: other loaders' persistent workers, and any other child,
+    kept each ring they were forked beside for their whole life, unseen by ``stats()``."""
+    _private[segment] = os.getpid()
 
 
 @contextlib.contextmanager
@@ -113,6 +124,8 @@ def _let_go(pid: int, keep: list[tuple[int, int]]) -> None:
     arenas = {id(x.arena): x.arena for x, owner in list(_tracked.items()) if owner == pid}
     for arena in arenas.values():
         arena.let_go_after_fork(keep)
+    for segment in [seg for seg, owner in list(_private.items()) if owner == pid]:
+        segment.let_go_after_fork([])
 
 
 def _before() -> None:

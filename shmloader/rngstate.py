@@ -47,6 +47,7 @@ import torch
 
 from arena import Slab, SlabSpec
 from arena._layout import PAGE
+from shmloader import afterfork
 
 TORCH_BYTES: Final = 5056
 _PY: Final = struct.Struct("<i2496sB7xd")  # index, key, has_gauss_next, gauss_next
@@ -191,6 +192,7 @@ class RngRing:
             "while the iterator lives, and each worker a few more (a pipe and a process handle)"
         )
         slab = Slab.create(-1, ENTRY_SIZE, nworkers * depth, backend, purpose=purpose)
+        afterfork.track_private(slab.segment)  # a child forked beside it lets it go
         return cls(slab, depth)
 
     @classmethod

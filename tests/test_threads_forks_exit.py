@@ -267,6 +267,43 @@ def test_forked_processes_give_up_the_parents_arena_but_the_batches_they_hold() 
     )
 
 
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_forked_processes_give_up_the_parents_rng_rings() -> None:
+    """Review 14 F3: a child forked while an iterator's RNG ring existed (another loader's
+    persistent worker, any other process) kept the ring's memory for its whole life, after the
+    owner's ``stats()`` had stopped counting it."""
+    a = shmloader.DataLoader(
+        TorchRows(64, 8), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(a)
+    assert batch_ok(*next(it), 0, 8)
+    st = os.fstat(it._progress.ring.slab.segment._fd)
+    ring = {(st.st_dev, st.st_ino)}
+    assert _of(_files_of("self"), ring)["open"], "the ring is not where the test looks"
+    assert all(_of(_files_of(pid), ring)["mapped"] for pid in a.stats().worker_pids), (
+        "A's own workers do not map their ring"
+    )
+
+    report = ForkedChild(lambda: {"files": _files_of("self")}, HANG_S).result()
+    assert _of(report["files"], ring) == {"mapped": [], "open": []}, "a forked child kept A's ring"
+
+    b = shmloader.DataLoader(
+        TorchRows(64, 8),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        timeout=LOADER_TIMEOUT_S,
+    )
+    assert [k for k, (x, y) in enumerate(b) if not batch_ok(x, y, k, 8)] == []
+    pids = b.stats().worker_pids
+    in_workers = {pid: _of(_files_of(pid), ring) for pid in pids}
+    assert in_workers == {pid: {"mapped": [], "open": []} for pid in pids}, (
+        "B's persistent workers keep A's ring"
+    )
+    assert batch_ok(*next(it), 1, 8)  # A's workers still publish into it
+
+
 # ------------------------------------------------------------------------------ re-entrance
 
 
