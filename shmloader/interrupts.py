@@ -29,11 +29,11 @@ Invariants:
 - When that exception went through the arena's or the lease table's own code
   (:func:`touched_the_books`), the loader's arena is retired too: the next iterator makes a fresh
   one. Batches still held from the old one stay valid, and ``stats()`` counts them apart
-  (``batches_retired``, ``bytes_retired``: read from the old lease table's weak references, not
-  from its books) until they are dropped; the rest of the old arena goes back once its last
-  iterator is gone. The fresh arena has the whole ``arena_max_bytes`` (a double hand-out of a
-  slot from half-changed books would be worse than holding a few batches' memory outside the
-  cap).
+  (``batches_retired``: read from the old lease table's weak references, not from its books)
+  until they are dropped; ``bytes_retired`` is the whole old arena while an iterator of it
+  lives (a saved traceback can keep one), then the slots of those batches. The fresh arena has
+  the whole ``arena_max_bytes`` (a double hand-out of a slot from half-changed books would be
+  worse than holding a few batches' memory outside the cap).
 """
 
 from __future__ import annotations

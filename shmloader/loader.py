@@ -77,9 +77,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._live: Callable[[], Any] | None = None  # the latest iterator (a weak reference)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
-        # Readers of the batches the user may still hold from hosts retired after an
-        # interruption (Leases.counter), with the process each belongs to; for stats().
-        self._retired: list[tuple[int, Callable[[], tuple[int, int]]]] = []
+        # Hosts retired after an interruption, for stats(): the process each belongs to, a
+        # reader of the batches the user may still hold from it (Leases.counter), and the host
+        # itself, weakly (an iterator of it, or a traceback holding one, keeps it whole).
+        self._retired: list[tuple[int, Callable[[], tuple[int, int]], Callable[[], Any]]] = []
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
         super().__init__(
             dataset,
@@ -174,8 +175,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         interruption may have left it half-changed (``retired``)."""
         self._finish_cut_short()
         if self._host is None or not self._host.here or self._host.retired:
-            if self._host is not None and self._host.here:  # retired: its held batches count on
-                self._retired.append((self._host.pid, self._host.leases.counter()))
+            if self._host is not None and self._host.here:  # retired: what it holds counts on
+                old = self._host
+                self._retired.append((old.pid, old.leases.counter(), weakref.ref(old)))
             opts = self.arena_options
             self._host = ArenaHost(
                 backend=opts.backend,
@@ -254,15 +256,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return dataclasses.replace(st, rank=rank, world_size=world)
 
     def _retired_held(self) -> tuple[int, int]:
-        """Batches (and their slots' bytes) the user holds from retired hosts of this process.
-        Readers whose batches are all gone, or of another process (inherited through fork), are
-        forgotten -- each removed alone, so a reader ``iter()`` adds in another thread meanwhile
-        is never lost."""
+        """Batches the user holds from retired hosts of this process, and the shared memory those
+        hosts still hold: a host still alive (not closed) holds its whole arena and its
+        iterators' RNG rings; once closed, only the slots of the batches still held. Hosts of
+        another process (inherited through fork), or closed with no batch left, are forgotten
+        -- each removed alone, so one ``iter()`` adds in another thread meanwhile is never
+        lost."""
         pid, batches, nbytes = os.getpid(), 0, 0
         for entry in list(self._retired):
-            owner, count = entry
+            owner, count, host_ref = entry
             n, b = count() if owner == pid else (0, 0)
-            if not n:
+            host = host_ref() if owner == pid else None
+            if host is not None and not host.arena.closed:
+                b = host.arena.bytes_reserved + sum(r.nbytes for r in list(host.rng_rings))
+            elif not n:
                 with contextlib.suppress(ValueError):  # (another thread removed it first)
                     self._retired.remove(entry)
             batches, nbytes = batches + n, nbytes + b

@@ -45,7 +45,9 @@ class LoaderStats:
       ``arena_max_bytes`` cap, is per rank.
     - ``slots_kept``, ``bytes_kept``: lent slots whose batch you dropped, kept from reuse until
       the shmloader workers forked while you held it exit (they may still read it:
-      :mod:`shmloader.afterfork`); they do not count against the cap.
+      :mod:`shmloader.afterfork`); they do not count against the cap. Dropped before those
+      workers exit, the loader leaves those slots' memory with them until they do, counted by
+      no loader.
     - ``batches_spilled``, ``bytes_spilled``: finished batches copied out of the arena into the
       main process's own memory, alive now (waiting their turn, or held by you). At the cap, when
       the batch needed next finds every slot taken by batches after it, those are copied out
@@ -56,9 +58,10 @@ class LoaderStats:
       entries of 12 KiB each per iterator; outside the arena and its cap.
     - ``batches_retired``, ``bytes_retired``: batches you still hold from an arena the loader
       retired after an interruption landed inside its books (:mod:`shmloader.interrupts`; the
-      next iterator got a fresh arena), and the bytes of their slots; outside the current arena
-      and its cap, and gone as you drop those batches. (The rest of a retired arena goes back
-      once its last iterator is gone.)
+      next iterator got a fresh arena), and the shared memory retired arenas still hold: a
+      whole arena, with its iterators' RNG rings, while an iterator of it lives (a saved
+      traceback can keep one: ``sys.last_traceback`` in IPython), then only the slots of the
+      batches you hold, gone as you drop them. Outside the current arena and its cap.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or

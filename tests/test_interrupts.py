@@ -114,6 +114,36 @@ def test_an_interruption_inside_the_arenas_books_retires_the_arena(interrupt_onc
 
 
 @frees_its_loaders_on_failure
+def test_a_retired_arena_its_iterator_keeps_whole_is_in_stats_whole(interrupt_once: Any) -> None:
+    """Review 14 F1: while an iterator of a retired arena lives (in a variable, or in a saved
+    traceback, as IPython keeps the last one), the whole old arena stays; stats() counted only
+    the slots of the batches held from it."""
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    kept = next(it)
+    dropped = next(it)
+    old = it._host
+    slot = old.arena.stats().slot_sizes[0]
+    interrupt_once(Leases, "_give_back", 1)  # the dropped batch's slot, on its way back
+    del dropped
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert old.retired
+    assert firsts(list(loader)) == ALL  # on a fresh arena, while `it` keeps the old one
+    allocated = sum(os.fstat(s.segment._fd).st_blocks * 512 for s in old.arena.slabs())
+    rings = sum(r.nbytes for r in list(old.rng_rings))
+    st = loader.stats()
+    assert st.batches_retired == 1
+    assert st.bytes_retired == allocated + rings > slot  # what the kernel holds for it
+    del it, old
+    gc.collect()  # the old arena closes: only the held batch's slot is left
+    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+    assert firsts([kept]) == [0]
+    del kept
+    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+
+
+@frees_its_loaders_on_failure
 def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
     interrupt_once: Any,
 ) -> None:
