@@ -113,14 +113,14 @@ def test_an_interruption_inside_the_arenas_books_retires_the_arena(interrupt_onc
     assert loader._host is not old
 
 
-@frees_its_loaders_on_failure
-def test_a_retired_arena_its_iterator_keeps_whole_is_in_stats_whole(interrupt_once: Any) -> None:
-    """Review 14 F1: while an iterator of a retired arena lives (in a variable, or in a saved
-    traceback, as IPython keeps the last one), the whole old arena stays; stats() counted only
-    the slots of the batches held from it."""
+def _retired_holding(
+    interrupt_once: Any, held: int
+) -> tuple[shmloader.DataLoader[Any], ShmDataLoaderIter, Any, int, list[torch.Tensor]]:
+    """A loader whose arena an interruption retired while ``held`` of its batches were held:
+    the loader, its failed iterator, the retired host, its slot size and the batches."""
     loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     it = iter(loader)
-    kept = next(it)
+    kept = [next(it) for _ in range(held)]
     dropped = next(it)
     old = it._host
     slot = old.arena.stats().slot_sizes[0]
@@ -129,6 +129,15 @@ def test_a_retired_arena_its_iterator_keeps_whole_is_in_stats_whole(interrupt_on
     with pytest.raises(KeyboardInterrupt):
         next(it)
     assert old.retired
+    return loader, it, old, slot, kept
+
+
+@frees_its_loaders_on_failure
+def test_a_retired_arena_its_iterator_keeps_whole_is_in_stats_whole(interrupt_once: Any) -> None:
+    """Review 14 F1: while an iterator of a retired arena lives (in a variable, or in a saved
+    traceback, as IPython keeps the last one), the whole old arena stays; stats() counted only
+    the slots of the batches held from it."""
+    loader, it, old, slot, (kept,) = _retired_holding(interrupt_once, 1)
     assert firsts(list(loader)) == ALL  # on a fresh arena, while `it` keeps the old one
     allocated = sum(os.fstat(s.segment._fd).st_blocks * 512 for s in old.arena.slabs())
     rings = sum(r.nbytes for r in list(old.rng_rings))
@@ -149,17 +158,7 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
 ) -> None:
     """A retired arena is outside the next iterator's, but the batches the user still holds from
     it are shared memory the loader made: stats() counts them until they are dropped."""
-    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
-    it = iter(loader)
-    kept = [next(it), next(it)]
-    dropped = next(it)
-    old = it._host
-    slot = old.arena.stats().slot_sizes[0]
-    interrupt_once(Leases, "_give_back", 1)  # the dropped batch's slot, on its way back
-    del dropped
-    with pytest.raises(KeyboardInterrupt):
-        next(it)
-    assert old.retired
+    loader, it, old, slot, kept = _retired_holding(interrupt_once, 2)
     del it, old
     gc.collect()
     fresh = list(loader)  # on a fresh arena; the retired one closes (its last iterator is gone)

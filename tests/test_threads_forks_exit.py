@@ -224,6 +224,25 @@ def _of(files: dict[str, list[tuple[int, int]]], slabs: set[tuple[int, int]]) ->
     return {kind: sorted(set(map(tuple, found)) & slabs) for kind, found in files.items()}
 
 
+def _in_new_persistent_workers(files: set[tuple[int, int]]) -> dict[int, dict[str, Any]]:
+    """Which of ``files`` each persistent worker of a new loader maps or holds open, once its
+    first epoch is done (and checked)."""
+    b = shmloader.DataLoader(
+        TorchRows(64, 8),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        timeout=LOADER_TIMEOUT_S,
+    )
+    assert [k for k, (x, y) in enumerate(b) if not batch_ok(x, y, k, 8)] == []
+    pids = b.stats().worker_pids
+    assert len(pids) == 2
+    return {pid: _of(_files_of(pid), files) for pid in pids}
+
+
+NOTHING = {"mapped": [], "open": []}
+
+
 @pytest.mark.timeout(HANG_S + 30)
 @frees_its_loaders_on_failure
 def test_forked_processes_give_up_the_parents_arena_but_the_batches_they_hold() -> None:
@@ -251,20 +270,8 @@ def test_forked_processes_give_up_the_parents_arena_but_the_batches_they_hold() 
     del it
     gc.collect()
     a.stats()  # every batch of A is gone: its arena is idle (and stays reserved)
-    b = shmloader.DataLoader(
-        TorchRows(64, 8),
-        batch_size=4,
-        num_workers=2,
-        persistent_workers=True,
-        timeout=LOADER_TIMEOUT_S,
-    )
-    assert [k for k, (x, y) in enumerate(b) if not batch_ok(x, y, k, 8)] == []
-    pids = b.stats().worker_pids
-    assert len(pids) == 2
-    in_workers = {pid: _of(_files_of(pid), slabs) for pid in pids}
-    assert in_workers == {pid: {"mapped": [], "open": []} for pid in pids}, (
-        "B's persistent workers keep A's slabs"
-    )
+    in_workers = _in_new_persistent_workers(slabs)
+    assert all(v == NOTHING for v in in_workers.values()), "B's persistent workers keep A's slabs"
 
 
 @pytest.mark.timeout(HANG_S + 30)
@@ -286,21 +293,9 @@ def test_forked_processes_give_up_the_parents_rng_rings() -> None:
     )
 
     report = ForkedChild(lambda: {"files": _files_of("self")}, HANG_S).result()
-    assert _of(report["files"], ring) == {"mapped": [], "open": []}, "a forked child kept A's ring"
-
-    b = shmloader.DataLoader(
-        TorchRows(64, 8),
-        batch_size=4,
-        num_workers=2,
-        persistent_workers=True,
-        timeout=LOADER_TIMEOUT_S,
-    )
-    assert [k for k, (x, y) in enumerate(b) if not batch_ok(x, y, k, 8)] == []
-    pids = b.stats().worker_pids
-    in_workers = {pid: _of(_files_of(pid), ring) for pid in pids}
-    assert in_workers == {pid: {"mapped": [], "open": []} for pid in pids}, (
-        "B's persistent workers keep A's ring"
-    )
+    assert _of(report["files"], ring) == NOTHING, "a forked child kept A's ring"
+    in_workers = _in_new_persistent_workers(ring)
+    assert all(v == NOTHING for v in in_workers.values()), "B's persistent workers keep A's ring"
     assert batch_ok(*next(it), 1, 8)  # A's workers still publish into it
 
 
