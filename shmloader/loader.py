@@ -174,19 +174,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         other than the one that made it (a fork of the main process), never shared, or once an
         interruption may have left it half-changed (``retired``)."""
         self._finish_cut_short()
-        if self._host is None or not self._host.here or self._host.retired:
-            if self._host is not None and self._host.here:  # retired: what it holds counts on
-                old = self._host
+        old = self._host
+        if old is None or not old.here or old.retired:
+            # Retired: what it holds counts on. Listed before the new host is made (an
+            # interruption in between must not lose it), once (one that cut the last iter()
+            # short listed it already); stats() skips it while it is still the current host.
+            if old is not None and old.here and all(ref() is not old for *_, ref in self._retired):
                 self._retired.append((old.pid, old.leases.counter(), weakref.ref(old)))
             opts = self.arena_options
-            self._host = ArenaHost(
+            old = self._host = ArenaHost(
                 backend=opts.backend,
                 max_bytes=opts.max_bytes,
                 slots_per_slab=opts.slots_per_slab or self._default_slots_per_slab(),
                 pin=pin,
                 pin_device=pin_device,
             )
-        return self._host
+        return old
 
     def _finish_cut_short(self) -> None:
         """Finish what interruptions cut short: finalizers whose object died without them
@@ -243,30 +246,34 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         (fields: :class:`LoaderStats`); before the first multi-worker iterator in this process,
         and always with ``num_workers=0``, nothing is reserved and ``backend`` is ``"none"``."""
         rank, world = dist_rank()
-        if self._host is None or not self._host.here:
+        host = self._host  # once: iter() in another thread may replace it meanwhile
+        if host is None or not host.here:
             st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         else:
             self._finish_cut_short()
-            st = self._host.snapshot()
-        retired = self._retired_held()
+            st = host.snapshot()
+        retired = self._retired_held(host)
         if retired != (0, 0):
             st = dataclasses.replace(st, batches_retired=retired[0], bytes_retired=retired[1])
         if (rank, world) == (0, 1):
             return st
         return dataclasses.replace(st, rank=rank, world_size=world)
 
-    def _retired_held(self) -> tuple[int, int]:
+    def _retired_held(self, current: ArenaHost | None) -> tuple[int, int]:
         """Batches the user holds from retired hosts of this process, and the shared memory those
         hosts still hold: a host still alive (not closed) holds its whole arena and its
-        iterators' RNG rings; once closed, only the slots of the batches still held. Hosts of
-        another process (inherited through fork), or closed with no batch left, are forgotten
-        -- each removed alone, so one ``iter()`` adds in another thread meanwhile is never
-        lost."""
+        iterators' RNG rings; once closed, only the slots of the batches still held. The
+        ``current`` host (already counted, though retired, until ``iter()`` replaces it) is
+        skipped. Hosts of another process (inherited through fork), or closed with no batch
+        left, are forgotten -- each removed alone, so one ``iter()`` adds in another thread
+        meanwhile is never lost."""
         pid, batches, nbytes = os.getpid(), 0, 0
         for entry in list(self._retired):
             owner, count, host_ref = entry
-            n, b = count() if owner == pid else (0, 0)
             host = host_ref() if owner == pid else None
+            if host is not None and host is current:
+                continue
+            n, b = count() if owner == pid else (0, 0)
             if host is not None and not host.arena.closed:
                 b = host.arena.bytes_reserved + sum(r.nbytes for r in list(host.rng_rings))
             elif not n:
