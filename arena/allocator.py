@@ -508,6 +508,23 @@ class Arena:
         for slab in list(self._slabs.values()):
             slab.segment.let_go_after_fork(keep)
 
+    def empty_all_but(self, keep: list[tuple[int, int]]) -> int:
+        """Give back the memory of every slot but those overlapping the ``(address, bytes)``
+        ranges in ``keep``, whatever the books say, and leave the books alone: for an owner
+        whose books an interruption may have left half-changed, about to close the arena, that
+        knows for sure only which slots are still read. Slabs that may not be hollowed keep
+        theirs. Returns the slots emptied."""
+        with self._cond:
+            slabs = [s for sid, s in self._slabs.items() if self.can_hollow(sid)]
+        done = 0
+        for slab in slabs:
+            size, base = slab.slot_size, slab.segment.address
+            for i in range(slab.nslots):
+                lo = base + i * size
+                if all(lo + size <= at or at + n <= lo for at, n in keep):
+                    done += slab.segment.punch(i * size, size)
+        return done
+
     def slot_buffer(self, ref: SlotRef) -> memoryview:
         return self._slabs[ref.slab_id].slot_buffer(ref.slot)
 

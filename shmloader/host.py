@@ -69,9 +69,6 @@ class ArenaHost:
         afterfork.track(self.leases)  # a child forked while batches are held keeps them
         self.sizes = SlotSize()
         self.worker_pids: tuple[int, ...] = ()
-        # Set when an iterator was interrupted half-way through a change (shmloader.interrupts):
-        # the loader's next iterator makes a fresh host; this one closes once nothing uses it.
-        self.retired = False
         # The RNG snapshot rings of the iterators that borrow this host (each closes with its
         # iterator): reported in stats, as every byte the loader holds is.
         self.rng_rings: weakref.WeakSet[RngRing] = weakref.WeakSet()
@@ -86,6 +83,17 @@ class ArenaHost:
     def here(self) -> bool:
         """Whether this host belongs to the calling process."""
         return self.pid == os.getpid()
+
+    @property
+    def retired(self) -> bool:
+        """Set when an iterator was interrupted half-way through a change of the books
+        (shmloader.interrupts): the loader's next iterator makes a fresh host, and this one,
+        once nothing uses it, closes keeping the memory only of the slots still read."""
+        return self.leases.retired
+
+    @retired.setter
+    def retired(self, value: bool) -> None:
+        self.leases.retired = value
 
     def snapshot(self) -> LoaderStats:
         leases = self.leases
@@ -149,4 +157,10 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
         else:
             pinner.close()
     finally:
-        arena.close()
+        try:
+            if leases.retired:
+                # A slot an interruption stranded (LENT, and no lease names it) is FREE nowhere
+                # in the books: close() alone would keep its memory while a view keeps its slab.
+                arena.empty_all_but(leases.read_ranges())
+        finally:
+            arena.close()

@@ -107,6 +107,9 @@ class Leases:
         self._by_key: dict[int, Lease] = {}
         self._slabs: dict[int, tuple[memoryview, int, int]] = {}  # id -> (buffer, slot size, base)
         self._spilled: list[weakref.ref[np.ndarray]] = []  # copies, some perhaps dead
+        # An interruption may have left these books (or the arena's) half-changed: the host is
+        # retired, and at its close only what is known to be read keeps its memory (read_ranges).
+        self.retired = False
 
     def live(self) -> list[Lease]:
         """The leases of batches lent and not yet returned (as of the last drain)."""
@@ -116,6 +119,20 @@ class Leases:
     def held(self) -> int:
         self.drain()
         return len(self._live)
+
+    def read_ranges(self) -> list[tuple[int, int]]:
+        """The ``(address, bytes)`` of every slot something may still read: a batch whose views
+        are alive, or a slot kept for workers forked while it was lent (a :class:`Quarantine`
+        not yet lifted). Read from the weak references and the quarantines, not the books."""
+        out = [(lease.lo, lease.hi - lease.lo) for lease in list(self._live.values())
+               if lease() is not None]  # fmt: skip
+        slabs = {slab.slab_id: slab for slab in self.arena.slabs()}
+        for q in list(self._quarantines):
+            for ref in list(q.refs) if q.active else []:
+                slab = slabs.get(ref.slab_id)
+                if slab is not None:
+                    out.append((slab.segment.address + ref.slot * slab.slot_size, slab.slot_size))
+        return out
 
     def counter(self) -> Callable[[], tuple[int, int]]:
         """A reader of the batches of this table whose views are alive, and of their slots'

@@ -157,21 +157,28 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
     interrupt_once: Any,
 ) -> None:
     """A retired arena is outside the next iterator's, but the batches the user still holds from
-    it are shared memory the loader made: stats() counts them until they are dropped."""
+    it are shared memory the loader made: stats() counts them until they are dropped, and the
+    closed arena keeps nothing else (review 15: not the slot the interruption stranded)."""
     loader, it, old, slot, kept = _retired_holding(interrupt_once, 2)
-    del it, old
-    gc.collect()
-    fresh = list(loader)  # on a fresh arena; the retired one closes (its last iterator is gone)
-    assert firsts(fresh) == ALL
-    st = loader.stats()
-    assert (st.batches_retired, st.bytes_retired) == (2, 2 * slot)
-    assert st.batches_held == len(fresh)  # the fresh arena's own count, apart
-    assert st.as_row()["bytes_retired"] == 2 * slot
-    assert firsts(kept) == ALL[:2]  # and the batches are intact
-    kept.pop()
-    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
-    kept.clear()
-    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slabs' memory
+    try:
+        del it, old
+        gc.collect()
+        fresh = list(loader)  # on a fresh arena; the retired one closes (its iterator is gone)
+        assert firsts(fresh) == ALL
+        st = loader.stats()
+        assert (st.batches_retired, st.bytes_retired) == (2, 2 * slot)
+        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == 2 * slot
+        assert st.batches_held == len(fresh)  # the fresh arena's own count, apart
+        assert st.as_row()["bytes_retired"] == 2 * slot
+        assert firsts(kept) == ALL[:2]  # and the batches are intact
+        kept.pop()
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+        kept.clear()
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @frees_its_loaders_on_failure
