@@ -197,7 +197,9 @@ class RngRing:
 
     @classmethod
     def attach(cls, spec: SlabSpec, depth: int) -> RngRing:
-        return cls(Slab.attach(spec), depth)
+        slab = Slab.attach(spec)
+        afterfork.track_private(slab.segment)  # a child the worker forks lets it go
+        return cls(slab, depth)
 
     def publish(self, worker_id: int, epoch: int, seq: int) -> None:
         """Worker side: snapshot this process's RNGs as of now, tagged with the task."""

@@ -30,6 +30,7 @@ with its fix reverted.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import select
 import subprocess
@@ -297,6 +298,50 @@ def test_forked_processes_give_up_the_parents_rng_rings() -> None:
     in_workers = _in_new_persistent_workers(ring)
     assert all(v == NOTHING for v in in_workers.values()), "B's persistent workers keep A's ring"
     assert batch_ok(*next(it), 1, 8)  # A's workers still publish into it
+
+
+class ForksAChild(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample 0, in a worker, forks a child that writes the files it maps and holds open to
+    ``report`` (a pipe's write end) and exits; the worker reaps it before it returns."""
+
+    def __init__(self, report: int) -> None:
+        self.report = report
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 0:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.write(self.report, json.dumps(_files_of("self")).encode())
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+        return torch.full((8,), i)
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_a_child_a_worker_forks_gives_up_the_workers_rng_ring() -> None:
+    """Review 15 F5: the worker attaches its ring by spec, and a child it forked (a dataset
+    calling os.fork()) kept that mapping and descriptor for its whole life."""
+    r, w = os.pipe()
+    try:
+        loader = shmloader.DataLoader(
+            ForksAChild(w), batch_size=2, num_workers=2, timeout=LOADER_TIMEOUT_S
+        )
+        it = iter(loader)
+        assert next(it)[0, 0] == 0  # sample 0's worker has forked and reaped its child
+        st = os.fstat(it._progress.ring.slab.segment._fd)
+        ring = {(st.st_dev, st.st_ino)}
+        files = json.loads(os.read(r, 1 << 20))
+        assert _of(files, ring) == NOTHING, "the worker's child kept the ring"
+        assert [int(b[0, 0]) for b in it] == [2, 4, 6]
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 # ------------------------------------------------------------------------------ re-entrance
