@@ -260,11 +260,15 @@ def test_a_worker_reaped_by_someone_else_is_still_raised_within_a_second(sigchld
 
         error, seconds = next_during(it, fault)
         assert isinstance(error, RuntimeError)
-        assert re.search(
+        reaped_elsewhere = (
             rf"DataLoader worker \(pid\(s\) {victim}\) exited unexpectedly; its exit code is "
-            r"unknown because something else reaped it \(SIGCHLD is set to SIG_IGN",
-            str(error),
-        ), str(error)
+            r"unknown because something else reaped it \(SIGCHLD is set to SIG_IGN"
+        )
+        if sigchld is not signal.SIG_IGN:
+            # A handler runs at the main thread's next bytecode after the worker became a
+            # zombie; the loader's own wait can come first, and then it knows the signal.
+            reaped_elsewhere += rf"|DataLoader worker \(pid {victim}\) is killed by signal: Killed"
+        assert re.search(reaped_elsewhere, str(error)), str(error)
         assert seconds < DEADLINE_S
         gate.open()
         assert [int(b[0, 0]) for b in loader] == list(range(N))  # fresh workers, same setting
