@@ -23,6 +23,7 @@ import shmloader
 from shmloader import ending
 from shmloader import protocol as P
 from shmloader.epoch import ShmDataLoaderIter
+from shmloader.host import ArenaHost
 from shmloader.lease import Leases
 from shmloader.supervisor import Supervisor
 from tests.lifetime_checks import frees_its_loaders_on_failure
@@ -179,6 +180,25 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
     finally:
         for fd in fds:
             os.close(fd)
+
+
+@frees_its_loaders_on_failure
+def test_a_retired_arena_is_counted_once_when_making_its_successor_was_interrupted(
+    interrupt_once: Any,
+) -> None:
+    """Review 15 F3: a Ctrl-C inside the new host's making left the retired host listed while
+    still current, and the next iter() listed it again: one batch held read as two, for good."""
+    loader, it, old, slot, kept = _retired_holding(interrupt_once, 1)
+    del it, old
+    gc.collect()
+    interrupt_once(ArenaHost, "__init__", 1)  # iter() makes the successor: interrupted there
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert firsts(list(loader)) == ALL
+    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+    assert firsts(kept) == ALL[:1]
+    kept.clear()
+    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
 
 
 @frees_its_loaders_on_failure
