@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from arena import Arena, Backend, userwarn
@@ -77,6 +78,12 @@ class ArenaHost:
         # Their endings, kept until each has run to its end (shmloader.ending).
         self.endings: list[Ending] = []
         self.export = StatsExport.from_environment()  # None unless a profiler asked
+        # What the loader's retired hosts still hold, (batches, bytes), given this host as the
+        # current one: set by the loader (a weak reference to its reader), so that every
+        # snapshot -- stats(), and the export's rows -- counts them.
+        self.retired_reader: Callable[[], Callable[[ArenaHost], tuple[int, int]] | None] = (
+            lambda: None
+        )
         self._closer = on_death(self, _close, self.pid, self.pinner, self.arena, leases)
 
     @property
@@ -107,10 +114,13 @@ class ArenaHost:
             kept, kept_bytes = leases.kept, leases.kept_bytes
             spilled = leases.spilled()
         rings = sum(r.nbytes for r in list(self.rng_rings))
+        reader = self.retired_reader()
+        retired = reader(self) if reader is not None else (0, 0)
         return LoaderStats(
             arena, held, self.pinner.pinned_bytes, self.worker_pids,
             slots_kept=kept, bytes_kept=kept_bytes,
             batches_spilled=len(spilled), bytes_spilled=sum(spilled), bytes_rng_rings=rings,
+            batches_retired=retired[0], bytes_retired=retired[1],
         )  # fmt: skip
 
     def end_pending(self) -> None:

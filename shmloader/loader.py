@@ -189,6 +189,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 pin=pin,
                 pin_device=pin_device,
             )
+            old.retired_reader = weakref.WeakMethod(self._retired_held)
         return old
 
     def _finish_cut_short(self) -> None:
@@ -251,15 +252,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         else:
             self._finish_cut_short()
-            st = host.snapshot()
-        retired = self._retired_held(host)
-        if retired != (0, 0):
-            st = dataclasses.replace(st, batches_retired=retired[0], bytes_retired=retired[1])
+            st = host.snapshot()  # with what retired hosts hold (ArenaHost.retired_reader)
         if (rank, world) == (0, 1):
             return st
         return dataclasses.replace(st, rank=rank, world_size=world)
 
-    def _retired_held(self, current: ArenaHost | None) -> tuple[int, int]:
+    def _retired_held(self, current: ArenaHost) -> tuple[int, int]:
         """Batches the user holds from retired hosts of this process, and the shared memory those
         hosts still hold: a host still alive (not closed) holds its whole arena and its
         iterators' RNG rings; once closed, only the slots of the batches still held. The

@@ -172,6 +172,8 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
         assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == 2 * slot
         assert st.batches_held == len(fresh)  # the fresh arena's own count, apart
         assert st.as_row()["bytes_retired"] == 2 * slot
+        # The stats export's rows (the host's snapshot) carry them too (review 15 F4).
+        assert loader._host.snapshot().as_row()["bytes_retired"] == 2 * slot
         assert firsts(kept) == ALL[:2]  # and the batches are intact
         kept.pop()
         assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
