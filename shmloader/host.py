@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from arena import Arena, Backend, userwarn
@@ -45,6 +45,10 @@ from shmloader.rngstate import RngRing
 from shmloader.slotsize import SlotSize
 from shmloader.stats import LoaderStats
 
+# A retired host, as its successor keeps it: a reader of the batches still held from it, and
+# the host itself, weakly (an iterator of it, or a traceback holding one, keeps it whole).
+Retired = tuple[Callable[[], tuple[int, int]], "weakref.ref[ArenaHost]"]
+
 
 class ArenaHost:
     """A loader's arena, lease table and pinner, in the process that made them."""
@@ -57,6 +61,7 @@ class ArenaHost:
         slots_per_slab: int,
         pin: bool,
         pin_device: str | None,
+        predecessors: Iterable[Retired] = (),
     ) -> None:
         self.pid = os.getpid()
         self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
@@ -78,12 +83,10 @@ class ArenaHost:
         # Their endings, kept until each has run to its end (shmloader.ending).
         self.endings: list[Ending] = []
         self.export = StatsExport.from_environment()  # None unless a profiler asked
-        # What the loader's retired hosts still hold, (batches, bytes), given this host as the
-        # current one: set by the loader (a weak reference to its reader), so that every
-        # snapshot -- stats(), and the export's rows -- counts them.
-        self.retired_reader: Callable[[], Callable[[ArenaHost], tuple[int, int]] | None] = (
-            lambda: None
-        )
+        # The loader's hosts retired before this one (their whole chain), each as a reader of
+        # the batches the user still holds from it (Leases.counter) and a weak reference to it:
+        # every snapshot -- stats(), and the export's rows -- counts what they still hold.
+        self.predecessors: list[Retired] = list(predecessors)
         self._closer = on_death(self, _close, self.pid, self.pinner, self.arena, leases)
 
     @property
@@ -114,14 +117,36 @@ class ArenaHost:
             kept, kept_bytes = leases.kept, leases.kept_bytes
             spilled = leases.spilled()
         rings = sum(r.nbytes for r in list(self.rng_rings))
-        reader = self.retired_reader()
-        retired = reader(self) if reader is not None else (0, 0)
+        retired = self.retired_held()
         return LoaderStats(
             arena, held, self.pinner.pinned_bytes, self.worker_pids,
             slots_kept=kept, bytes_kept=kept_bytes,
             batches_spilled=len(spilled), bytes_spilled=sum(spilled), bytes_rng_rings=rings,
             batches_retired=retired[0], bytes_retired=retired[1],
         )  # fmt: skip
+
+    def succession(self) -> list[Retired]:
+        """What a host that replaces this retired one carries: this one's predecessors, then
+        this one."""
+        return [*self.predecessors, (self.leases.counter(), weakref.ref(self))]
+
+    def retired_held(self) -> tuple[int, int]:
+        """Batches the user holds from the retired hosts before this one, and the shared memory
+        those hosts still hold: one still alive (not closed) holds its whole arena and its
+        iterators' RNG rings; once closed, only the slots of the batches still held. One closed
+        with no batch left is forgotten (each removed alone: another thread may read too)."""
+        batches, nbytes = 0, 0
+        for entry in list(self.predecessors):
+            count, host_ref = entry
+            n, b = count()
+            host = host_ref()
+            if host is not None and not host.arena.closed:
+                b = host.arena.bytes_reserved + sum(r.nbytes for r in list(host.rng_rings))
+            elif not n:
+                with contextlib.suppress(ValueError):
+                    self.predecessors.remove(entry)
+            batches, nbytes = batches + n, nbytes + b
+        return batches, nbytes
 
     def end_pending(self) -> None:
         """At a safe point: finish the endings an interruption cut short, of iterators that are

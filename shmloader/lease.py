@@ -85,6 +85,11 @@ class Quarantine:
         self.active = True
 
 
+def _held_ranges(live: dict[int, Lease]) -> list[tuple[int, int]]:
+    """The ``(address, bytes)`` of the slots of the leases in ``live`` whose views are alive."""
+    return [(lease.lo, lease.hi - lease.lo) for lease in list(live.values()) if lease() is not None]
+
+
 class Leases:
     """The batches of one arena that the user holds."""
 
@@ -124,8 +129,7 @@ class Leases:
         """The ``(address, bytes)`` of every slot something may still read: a batch whose views
         are alive, or a slot kept for workers forked while it was lent (a :class:`Quarantine`
         not yet lifted). Read from the weak references and the quarantines, not the books."""
-        out = [(lease.lo, lease.hi - lease.lo) for lease in list(self._live.values())
-               if lease() is not None]  # fmt: skip
+        out = _held_ranges(self._live)
         slabs = {slab.slab_id: slab for slab in self.arena.slabs()}
         for q in list(self._quarantines):
             for ref in list(q.refs) if q.active else []:
@@ -143,8 +147,8 @@ class Leases:
         live = self._live
 
         def count() -> tuple[int, int]:
-            alive = [lease for lease in list(live.values()) if lease() is not None]
-            return len(alive), sum(lease.hi - lease.lo for lease in alive)
+            held = _held_ranges(live)
+            return len(held), sum(n for _, n in held)
 
         return count
 

@@ -17,9 +17,7 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex, TypeVar
@@ -77,10 +75,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._live: Callable[[], Any] | None = None  # the latest iterator (a weak reference)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
-        # Hosts retired after an interruption, for stats(): the process each belongs to, a
-        # reader of the batches the user may still hold from it (Leases.counter), and the host
-        # itself, weakly (an iterator of it, or a traceback holding one, keeps it whole).
-        self._retired: list[tuple[int, Callable[[], tuple[int, int]], Callable[[], Any]]] = []
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
         super().__init__(
             dataset,
@@ -176,11 +170,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._finish_cut_short()
         old = self._host
         if old is None or not old.here or old.retired:
-            # Retired: what it holds counts on. Listed before the new host is made (an
-            # interruption in between must not lose it), once (one that cut the last iter()
-            # short listed it already); stats() skips it while it is still the current host.
-            if old is not None and old.here and all(ref() is not old for *_, ref in self._retired):
-                self._retired.append((old.pid, old.leases.counter(), weakref.ref(old)))
             opts = self.arena_options
             old = self._host = ArenaHost(
                 backend=opts.backend,
@@ -188,8 +177,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 slots_per_slab=opts.slots_per_slab or self._default_slots_per_slab(),
                 pin=pin,
                 pin_device=pin_device,
+                # A retired host's held batches (and the hosts before it) count on in stats().
+                predecessors=old.succession() if old is not None and old.here else (),
             )
-            old.retired_reader = weakref.WeakMethod(self._retired_held)
         return old
 
     def _finish_cut_short(self) -> None:
@@ -239,7 +229,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state["_host"] = None
         state["_iterator"] = None
         state["_live"] = None
-        state["_retired"] = []
         return state
 
     def stats(self) -> LoaderStats:
@@ -252,30 +241,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             st = no_arena(self.arena_options.planned_max_bytes() if self.num_workers else 0)
         else:
             self._finish_cut_short()
-            st = host.snapshot()  # with what retired hosts hold (ArenaHost.retired_reader)
+            st = host.snapshot()  # with what retired hosts hold (ArenaHost.retired_held)
         if (rank, world) == (0, 1):
             return st
         return dataclasses.replace(st, rank=rank, world_size=world)
-
-    def _retired_held(self, current: ArenaHost) -> tuple[int, int]:
-        """Batches the user holds from retired hosts of this process, and the shared memory those
-        hosts still hold: a host still alive (not closed) holds its whole arena and its
-        iterators' RNG rings; once closed, only the slots of the batches still held. The
-        ``current`` host (already counted, though retired, until ``iter()`` replaces it) is
-        skipped. Hosts of another process (inherited through fork), or closed with no batch
-        left, are forgotten -- each removed alone, so one ``iter()`` adds in another thread
-        meanwhile is never lost."""
-        pid, batches, nbytes = os.getpid(), 0, 0
-        for entry in list(self._retired):
-            owner, count, host_ref = entry
-            host = host_ref() if owner == pid else None
-            if host is not None and host is current:
-                continue
-            n, b = count() if owner == pid else (0, 0)
-            if host is not None and not host.arena.closed:
-                b = host.arena.bytes_reserved + sum(r.nbytes for r in list(host.rng_rings))
-            elif not n:
-                with contextlib.suppress(ValueError):  # (another thread removed it first)
-                    self._retired.remove(entry)
-            batches, nbytes = batches + n, nbytes + b
-        return batches, nbytes
