@@ -140,6 +140,8 @@ class Dispatch:
         self.denied: dict[int, ArenaCapacityError] = {}  # seq -> why: DENY sent, not yet acked
         # (epoch, seq) -> (worker, slots) of tasks of abandoned epochs not yet answered
         self.orphans: dict[tuple[int, int], Orphan] = {}
+        # (seq, worker) of this epoch's EXHAUSTED answers: no batch, yet the worker's RNG moved
+        self.exhausted: list[tuple[int, int]] = []
         self.status = [True] * num_workers
         self.num_tasks = [0] * num_workers
         self._next_worker = 0
@@ -156,9 +158,15 @@ class Dispatch:
 
     # -- epochs ---------------------------------------------------------------------------------
 
-    def new_epoch(self) -> None:
+    def new_epoch(self) -> list[tuple[int, int]]:
         """Abandon the current epoch: release what it holds; tasks still being written become
-        orphans, released when their answer arrives (a worker never writes after answering)."""
+        orphans, released when their answer arrives (a worker never writes after answering).
+        Returns ``(seq, worker)`` of the tasks answered and never consumed, in order: the
+        abandonment consumes them, and their workers' RNGs moved past them."""
+        answered = sorted(
+            [(i.seq, i.worker_id) for i in [*self.arrived, *self.tasks] if i.answer is not None]
+            + self.take_exhausted()
+        )
         for seq, index in self.unsent.items():
             # torch's workers fetch every task sent to them, so decided tasks are still sent:
             # the worker fetches them as stale (its RNG use stays torch's) and drops them.
@@ -186,6 +194,7 @@ class Dispatch:
         self.num_tasks = [0] * self.num_workers
         self._next_worker = 0
         self._forced.clear()
+        return answered
 
     def start_at(self, position: int, replay: dict[str, Any] | None = None) -> None:
         """A resumed epoch's first task is batch ``position`` of the sampler: torch's round robin
@@ -255,12 +264,18 @@ class Dispatch:
         without touching their slots): with ``in_order=False`` they are dropped; in order they
         stay to be skipped at their turn, as torch's are, but give their slots back now."""
         self.drop(info.seq)
+        self.exhausted.append((info.seq, wid))
         self.status[wid] = False
         for later in [i for i in self.tasks if i.worker_id == wid and i.answer is None]:
             if self.in_order:
                 self._unbind(later)
             else:
                 self.drop(later.seq)
+
+    def take_exhausted(self) -> list[tuple[int, int]]:
+        """``(seq, worker)`` of the EXHAUSTED answers since the last call, in arrival order."""
+        out, self.exhausted = self.exhausted, []
+        return out
 
     def release(self, slots: list[SlotRef]) -> None:
         for ref in slots:

@@ -50,7 +50,7 @@ from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress
 from shmloader.sampling import fast_batches
 from shmloader.startup import start_workers
-from shmloader.state import EpochStart, untouched_rngs
+from shmloader.state import EpochStart, skip_consumed, untouched_rngs
 
 HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_device) -> host
 
@@ -133,12 +133,13 @@ class ShmDataLoaderIter(NextBatch):
             if plan is None:
                 self._progress.new_epoch()
             if not first_iter:
-                d.new_epoch()
+                abandoned = d.epoch
+                for seq, wid in d.new_epoch():
+                    self._progress.moved_past(wid, abandoned, seq)
                 for wid in range(self._num_workers):
                     self._sup.send(wid, P.Resume(d.epoch, self._shared_seed))
             skip = plan["yielded"] if plan else 0
-            for _ in range(skip):
-                self._next_index()  # type: ignore[no-untyped-call]
+            skip_consumed(self._next_index, skip)
             self._num_yielded = skip
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
@@ -171,5 +172,9 @@ class ShmDataLoaderIter(NextBatch):
             "base_seed": int(self._base_seed),
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
             "workers": self._progress.rng_states(),
-            "replicas": self._progress.replica_record(*d.assignment()) if in_epoch else None,
+            "replicas": (
+                self._progress.replica_record(*d.assignment())
+                if in_epoch
+                else self._progress.between_epochs_record()
+            ),
         }

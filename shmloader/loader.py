@@ -17,6 +17,7 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
@@ -104,6 +105,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             else:
                 self.check_worker_number_rationality()
                 it = ShmDataLoaderIter(self, self._host_for, plan)
+        except S.StateMismatch:
+            raise  # a state this loader cannot resume from: the next iter() starts afresh
         except BaseException:
             self._plan = plan  # no batch came from it: the next iter() resumes from the state
             raise
@@ -127,7 +130,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             body = {
                 "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
                 "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],
-                "replicas": None,
+                "replicas": S.dataset_between_epochs(self),
             }  # fmt: skip
         else:
             body = it.resume_state()
@@ -146,7 +149,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         ``iter()`` yields what the saved loader would have yielded next. Also sets this process's
         global torch, ``random`` and NumPy RNGs to their state at ``state_dict()``."""
         it = self._current()
-        if it is not None and not it._ended:
+        # An iterator that failed (a worker died; its state_dict() says why) is replaced by the
+        # next iter() anyway: loading the last good state into its loader is the way back.
+        if it is not None and not it._ended and getattr(it, "failure", None) is None:
             raise RuntimeError(
                 "load_state_dict() called while this DataLoader is being iterated (an iterator "
                 "of it is mid-epoch): load the state before iterating, into a fresh DataLoader"
@@ -159,6 +164,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             old._shutdown_workers()
         if not sd["in_epoch"]:
             S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
+            rep = sd["replicas"]
+            between = rep["workers"][0] if rep and not self.num_workers else None
+            if between is not None and "state" in between:  # the dataset is its own replica
+                self.dataset.load_state_dict(copy.deepcopy(between["state"]))  # type: ignore[attr-defined]
         rngstate.restore(sd["main_rng"])
         self._epochs_started = sd["epoch"]
         self._plan = sd if (sd["in_epoch"] or sd["base_seed"] is not None) else None

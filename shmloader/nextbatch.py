@@ -115,6 +115,8 @@ class NextBatch(_BaseDataLoaderIter):
                 return self._process(info)
             if not d.pending(d.status.__getitem__):
                 self._ended = True
+                for seq, wid in d.take_exhausted():  # every batch consumed: the RNGs moved on
+                    self._progress.moved_past(wid, d.epoch, seq)
                 if not self._persistent_workers:
                     self._ending()
                     self._leases.drain()
@@ -156,7 +158,7 @@ class NextBatch(_BaseDataLoaderIter):
         elif msg.epoch != d.epoch:
             d.orphan_answered(msg)
             if not isinstance(msg, P.NeedSlot):
-                self._progress.orphan_answered(wid, msg.epoch, msg.seq)
+                self._progress.moved_past(wid, msg.epoch, msg.seq)
         else:
             info = d.tasks.get(msg.seq)
             if info is None or (isinstance(msg, P.Dropped) and msg.seq not in d.denied):

@@ -47,6 +47,7 @@ class WorkerProgress:
         iterable: bool,
         rng_carry: list[bytes | None] | None = None,
         replicas: dict[str, Any] | None = None,
+        mid_epoch: bool = False,
     ) -> None:
         self.ring = ring
         self.iterable = iterable
@@ -55,12 +56,22 @@ class WorkerProgress:
         # A resumed epoch starts from the saved replicas; a fresh one from nothing consumed.
         saved = replicas["workers"] if replicas else None
         self.batches = [r["batches"] for r in saved] if saved else [0] * num_workers
+        # Per worker: the replica's state after its last consumed batch of the epoch, or, before
+        # any, as the epoch's iter() found it (a persistent replica carries state across epochs).
         self.states: list[bytes | None] = (
             [pickle.dumps(r["state"]) if "state" in r else None for r in saved]
             if saved
             else [None] * num_workers
         )
         self.pending: list[dict[int, bytes]] = [{} for _ in range(num_workers)]
+        # Per worker: its RNG as the epoch's iter() of its replica found it (IterableDatasets):
+        # a fast-forward replays from there. None: the worker's seed and worker_init_fn give it.
+        # Taken at the worker's first consumed batch of the epoch (``_epoch_rng_due``).
+        if mid_epoch and saved:
+            self.epoch_rng: list[bytes | None] = [r.get("epoch_rng") for r in saved]
+        else:  # a fresh iterator, or one resumed between epochs: its workers start there
+            self.epoch_rng = list(self.rng_carry)
+        self._epoch_rng_due = [False] * num_workers
 
     def restore_for(self, worker_id: int, index: Any) -> dict[str, Any] | None:
         """What a resumed worker's replica starts from (``WorkerConfig.replica_restore``);
@@ -74,21 +85,36 @@ class WorkerProgress:
         }
 
     def new_epoch(self) -> None:
+        """Persistent workers begin an epoch: each replica starts it in the state its latest
+        fetch left it (consumed or not: an abandoned epoch's batches count as consumed)."""
         n = len(self.batches)
+        self.states = [self._latest_state(w) for w in range(n)]
         self.batches = [0] * n
-        self.states = [None] * n
         self.pending = [{} for _ in range(n)]
+        self._epoch_rng_due = [self.iterable] * n
 
-    def orphan_answered(self, worker_id: int, epoch: int, seq: int) -> None:
-        """A task of an abandoned epoch was answered: the worker's RNG has moved past it."""
+    def _latest_state(self, worker_id: int) -> bytes | None:
+        pending = self.pending[worker_id]
+        return pending[max(pending)] if pending else self.states[worker_id]
+
+    def moved_past(self, worker_id: int, epoch: int, seq: int) -> None:
+        """A task of an abandoned epoch was answered (or its answer was read and the epoch
+        abandoned before the user consumed it): the worker's RNG has moved past it."""
         self.rng_last[worker_id] = (epoch, seq)
 
     def replica_state(self, msg: P.ReplicaState, epoch: int) -> None:
         if msg.epoch == epoch:
             self.pending[msg.worker_id][msg.seq] = msg.state
+        elif self.batches[msg.worker_id] == 0:
+            # A task of an abandoned epoch, fetched before this epoch's: the replica's state as
+            # this epoch's iter() finds it (its frames come before any of this epoch's).
+            self.states[msg.worker_id] = msg.state
 
     def consumed(self, worker_id: int, epoch: int, seq: int) -> None:
         """The user got the batch (or the error) of task ``seq`` of ``worker_id``."""
+        if self._epoch_rng_due[worker_id]:
+            self._epoch_rng_due[worker_id] = False
+            self.epoch_rng[worker_id] = self._rng_now(worker_id)
         self.rng_last[worker_id] = (epoch, seq)
         if self.iterable:
             self.batches[worker_id] += 1
@@ -96,11 +122,12 @@ class WorkerProgress:
             if state is not None:
                 self.states[worker_id] = state
 
+    def _rng_now(self, worker_id: int) -> bytes | None:
+        last = self.rng_last[worker_id]
+        return self.rng_carry[worker_id] if last is None else self.ring.read(worker_id, *last)
+
     def rng_states(self) -> list[bytes | None]:
-        return [
-            self.rng_carry[w] if last is None else self.ring.read(w, *last)
-            for w, last in enumerate(self.rng_last)
-        ]
+        return [self._rng_now(w) for w in range(len(self.rng_last))]
 
     def replica_record(self, assign: list[int], next_worker: int) -> dict[str, Any] | None:
         """The ``replicas`` entry of the state (None for map-style datasets)."""
@@ -108,22 +135,39 @@ class WorkerProgress:
             return None
         workers = []
         for wid, (n, st) in enumerate(zip(self.batches, self.states, strict=True)):
-            entry: dict[str, Any] = {"batches": n}
-            if st is not None and st.startswith(P.UNSAVABLE):
-                raise RuntimeError(
-                    f"cannot save the DataLoader's state: worker {wid}'s dataset replica "
-                    f"state_dict() could not be taken or pickled "
-                    f"({st[len(P.UNSAVABLE):].decode(errors='replace')}); make its state_dict() "
-                    "return picklable values (numbers, strings, tensors, dicts and lists of them)"
-                )
-            if st is not None:
-                entry["state"] = pickle.loads(st)
+            entry = _replica_entry(wid, n, st)
+            rng = self._rng_now(wid) if self._epoch_rng_due[wid] else self.epoch_rng[wid]
+            if rng is not None:
+                entry["epoch_rng"] = rng
             workers.append(entry)
-        return {
-            "workers": workers,
-            "assign": assign,
-            "next_worker": next_worker,
-        }
+        return {"workers": workers, "assign": assign, "next_worker": next_worker}
+
+    def between_epochs_record(self) -> dict[str, Any] | None:
+        """The ``replicas`` entry of a state saved between epochs of persistent workers: each
+        replica's state as its last fetch left it, which the next epoch's iter() starts from
+        (None for map-style datasets, or when no replica has ``state_dict``). Their RNGs are
+        the state's ``workers``."""
+        if not self.iterable:
+            return None
+        latest = [self._latest_state(w) for w in range(len(self.batches))]
+        if all(st is None for st in latest):
+            return None
+        workers = [_replica_entry(wid, 0, st) for wid, st in enumerate(latest)]
+        return {"workers": workers, "assign": [], "next_worker": 0}
+
+
+def _replica_entry(worker_id: int, batches: int, state: bytes | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"batches": batches}
+    if state is not None and state.startswith(P.UNSAVABLE):
+        raise RuntimeError(
+            f"cannot save the DataLoader's state: worker {worker_id}'s dataset replica "
+            f"state_dict() could not be taken or pickled "
+            f"({state[len(P.UNSAVABLE) :].decode(errors='replace')}); make its state_dict() "
+            "return picklable values (numbers, strings, tensors, dicts and lists of them)"
+        )
+    if state is not None:
+        entry["state"] = pickle.loads(state)
+    return entry
 
 
 class SamplerProgress:

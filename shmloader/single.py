@@ -13,44 +13,63 @@ already consumed are fetched again and dropped, with the global RNGs put back af
 
 from __future__ import annotations
 
-import contextlib
+import copy
 from typing import Any
 
 import torch
 
 from shmloader import rngstate
 from shmloader._torch_compat import ITERABLE_KIND
-from shmloader.state import EpochStart, is_stateful, untouched_rngs
+from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
 
 _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoaderIter
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
+        self._consumed = 0
         resumed = plan is not None and plan["in_epoch"]
         replica = plan["replicas"]["workers"][0] if resumed and plan["replicas"] else None  # type: ignore[index]
         if replica is not None and "state" in replica:
-            loader.dataset.load_state_dict(replica["state"])  # before iter(dataset)
-        with untouched_rngs(loader) if resumed else contextlib.nullcontext():
-            super().__init__(loader)
-        self._ended = False
-        self._consumed = 0  # batches of the epoch drawn: yielded, or raised (never again)
-        self.epoch_no = loader._epochs_started
-        loader._epochs_started += 1
+            # before iter(dataset); a copy, as the plan stays for the next iter() if this fails
+            loader.dataset.load_state_dict(copy.deepcopy(replica["state"]))
         if not resumed:
-            self.epoch_start = EpochStart.capture(loader)
+            # Before torch's __init__: a sampler may draw in iter() (an eager permutation), which
+            # that __init__ calls before it draws the base seed (shmloader.state.EpochStart).
+            self.epoch_start = EpochStart.capture(loader, before_init=True)
+            super().__init__(loader)
+            self._counted(loader, 0)
             return
         assert plan is not None
+        self.epoch_start = start = EpochStart.from_dict(plan["epoch_start"])
+        if start.before_init:
+            # The saved run's __init__, sampler draws and (for an IterableDataset without state)
+            # replica fetches, replayed from the epoch's start; the global RNGs are put back.
+            with start.replay(loader):
+                super().__init__(loader)
+                self._replay(plan, replica)
+        else:  # a state saved before EpochStart.before_init: captured after __init__
+            with untouched_rngs(loader):
+                super().__init__(loader)
+            with start.replay(loader):
+                self._sampler_iter = iter(self._index_sampler)
+                self._replay(plan, replica)
         self._base_seed = plan["base_seed"]
-        self.epoch_start = EpochStart.from_dict(plan["epoch_start"])
-        with self.epoch_start.replay(loader):
-            self._sampler_iter = iter(self._index_sampler)
-            for _ in range(plan["yielded"]):
-                self._next_index()
+        self._counted(loader, plan["yielded"])
+
+    def _counted(self, loader: Any, consumed: int) -> None:
+        self._ended = False
+        self._consumed = consumed  # batches of the epoch drawn: yielded, or raised (never again)
+        self.epoch_no = loader._epochs_started
+        loader._epochs_started += 1
+
+    def _replay(self, plan: dict[str, Any], replica: dict[str, Any] | None) -> None:
+        """Draw the indices of the batches consumed before the save; fast-forward a replica
+        without ``state_dict`` past them."""
+        skip_consumed(self._next_index, plan["yielded"])
         self._num_yielded = plan["yielded"]
         if replica is not None and "state" not in replica:
             self._fast_forward(replica["batches"])
-        self._consumed = plan["yielded"]
 
     def _fast_forward(self, batches: int) -> None:
         saved = rngstate.capture()  # the draws of batches already consumed are not replayed
@@ -96,7 +115,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             "base_seed": int(self._base_seed) if in_epoch else None,
             "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
             "workers": [],
-            "replicas": self._replicas() if in_epoch else None,
+            "replicas": self._replicas() if in_epoch else None,  # (ended: the loader records)
         }
 
     def _replicas(self) -> dict[str, Any] | None:
@@ -104,5 +123,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             return None
         entry: dict[str, Any] = {"batches": self._consumed}
         if is_stateful(self._dataset):
-            entry["state"] = self._dataset.state_dict()  # type: ignore[attr-defined]
+            # A copy: the dataset may go on changing the dict it returned (the worker path
+            # pickles it at once).
+            entry["state"] = copy.deepcopy(self._dataset.state_dict())  # type: ignore[attr-defined]
         return {"workers": [entry], "assign": [], "next_worker": 0}

@@ -57,7 +57,8 @@ def start_workers(
         rng_ring,
         iterable,
         rng_carry=list(plan["workers"]) if resumed and plan["workers"] else None,  # type: ignore[index]
-        replicas=plan.get("replicas") if mid_epoch else None,  # type: ignore[union-attr]
+        replicas=plan.get("replicas") if resumed else None,  # type: ignore[union-attr]
+        mid_epoch=mid_epoch,
     )
     # An IterableDataset's sampler is torch's infinite constant one: any draw is the index
     # of one batch ([None] * batch_size, or None), what a resumed replica fast-forwards with.
@@ -89,7 +90,10 @@ def start_workers(
             shared_seed=it._shared_seed,
             rng_ring=rng_ring.slab.spec,
             rng_depth=rng_ring.depth,
-            rng_restore=progress.rng_carry[i],
+            # Mid-epoch: the epoch's start, then after the last consumed batch; between epochs,
+            # where the next epoch's iter() starts (shmloader.worker.WorkerConfig).
+            rng_epoch_start=progress.epoch_rng[i] if mid_epoch else progress.rng_carry[i],
+            rng_restore=progress.rng_carry[i] if mid_epoch else None,
             replica_restore=progress.restore_for(i, one_index),
         )
         for i in range(nw)

@@ -5,8 +5,10 @@ data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads bac
 
     format "shmloader.DataLoader", version 2 (version 1, which had no ``replicas``, still loads
                   for map-style datasets)
-    fingerprint   what must match at load: dataset length, batch size, drop_last, sampler and
-                  batch sampler types, num_workers, in_order, persistent_workers
+    fingerprint   what must match at load: dataset length, batches an epoch (``len(loader)``,
+                  map-style), batch size and drop_last (the loader's and its batch sampler's;
+                  these two and the batches absent from earlier states), sampler and batch
+                  sampler types, num_workers, in_order, persistent_workers
     epoch         0-based number of the epoch in progress (in_epoch) or of the next one
     in_epoch      whether an epoch was in progress
     yielded       batches of that epoch consumed, in sampler order (a prefix)
@@ -61,6 +63,16 @@ def _type_name(obj: Any) -> str | None:
     return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def batches_per_epoch(loader: Any) -> int | None:
+    """``len(loader)`` for a map-style dataset whose sampler has a length; else None."""
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def fingerprint(loader: Any) -> dict[str, Any]:
     """What a state must agree with to be loaded into ``loader``."""
     try:
@@ -76,6 +88,12 @@ def fingerprint(loader: Any) -> dict[str, Any]:
         "num_workers": loader.num_workers,
         "in_order": loader.in_order,
         "persistent_workers": loader.persistent_workers,
+        # A batch_sampler= of torch's kind (loader.batch_size is None then), and what any other
+        # difference in the sampling makes of an epoch; named after the keys above, which say
+        # more when they differ too.
+        "batch_sampler.batch_size": getattr(loader.batch_sampler, "batch_size", None),
+        "batch_sampler.drop_last": getattr(loader.batch_sampler, "drop_last", None),
+        "batches": batches_per_epoch(loader),
     }
 
 
@@ -86,7 +104,17 @@ _WHY = {
         "could not match; resume with the num_workers the state was saved with"
     ),
     "persistent_workers": "worker random streams continue across epochs only with it",
+    "batches": (
+        "len(DataLoader), the batches an epoch: the batch size, drop_last or the sampler's "
+        "length (num_samples, a DistributedSampler's num_replicas) differ"
+    ),
 }
+# Keys added to the fingerprint after version 2 shipped: a state saved without one skips it.
+_ADDED = frozenset({"batches", "batch_sampler.batch_size", "batch_sampler.drop_last"})
+
+
+class StateMismatch(ValueError):
+    """A loaded state that this loader cannot resume from, found only at ``iter()``."""
 
 
 def check(loader: Any, sd: Any) -> dict[str, Any]:
@@ -117,6 +145,8 @@ def check(loader: Any, sd: Any) -> dict[str, Any]:
     _check_types(sd)
     want = fingerprint(loader)
     for key, value in want.items():
+        if key in _ADDED and key not in sd["fingerprint"]:
+            continue
         got = sd["fingerprint"].get(key)
         if got != value:
             why = _WHY.get(key)
@@ -128,6 +158,12 @@ def check(loader: Any, sd: Any) -> dict[str, Any]:
         raise ValueError(
             f"corrupted DataLoader state: {len(sd['workers'])} worker RNG states for "
             f"num_workers={loader.num_workers}"
+        )
+    n = want["batches"]
+    if n is not None and (sd["yielded"] > n or any(p >= n for p in sd["yielded_extra"])):
+        raise ValueError(
+            f"corrupted DataLoader state: {sd['yielded']} batches consumed (and positions "
+            f"{sd['yielded_extra']} past them) in an epoch of {n} batches"
         )
     rep = sd["replicas"]
     if rep is not None and len(rep["workers"]) != max(loader.num_workers, 1):
@@ -173,10 +209,18 @@ def _check_types(sd: dict[str, Any]) -> None:
         isinstance(rep, dict)
         and isinstance(rep.get("workers"), list)
         and all(isinstance(w, dict) and type(w.get("batches")) is int for w in rep["workers"])
+        and all(
+            w.get("epoch_rng") is None
+            or (type(w["epoch_rng"]) is bytes and len(w["epoch_rng"]) == SNAPSHOT)
+            for w in rep["workers"]
+        )
         and isinstance(rep.get("assign"), list)
         and type(rep.get("next_worker")) is int
     ):
-        raise bad("replicas", "None or a dict of workers, assign and next_worker")
+        raise bad(
+            "replicas",
+            "None or a dict of workers (batches, epoch_rng snapshots), assign and next_worker",
+        )
     if not isinstance(sd["workers"], list) or any(
         w is not None and (type(w) is not bytes or len(w) != SNAPSHOT) for w in sd["workers"]
     ):
@@ -191,6 +235,8 @@ def _check_types(sd: dict[str, Any]) -> None:
     rngs = es.get("rngs")  # (absent from states saved before it was added)
     if rngs is not None and (type(rngs) is not bytes or len(rngs) != SNAPSHOT):
         raise bad("epoch_start", f"a dict whose rngs is a {SNAPSHOT}-byte snapshot")
+    if type(es.get("before_init", False)) is not bool:  # (absent from earlier states, too)
+        raise bad("epoch_start", "a dict whose before_init is a bool")
 
 
 # -- the RNG objects a loader draws from ---------------------------------------------------------
@@ -239,6 +285,19 @@ def stateful_samplers(loader: Any) -> dict[str, Any]:
     return out
 
 
+def dataset_between_epochs(loader: Any) -> dict[str, Any] | None:
+    """The ``replicas`` entry of a state saved between epochs with ``num_workers=0``: an
+    IterableDataset with ``state_dict`` is its own one replica, and the next epoch's ``iter()``
+    starts from its state now (a copy). None for any other loader."""
+    ds = loader.dataset
+    if loader.num_workers or not isinstance(ds, torch.utils.data.IterableDataset):
+        return None
+    if not is_stateful(ds):
+        return None
+    state = copy.deepcopy(ds.state_dict())  # type: ignore[attr-defined]
+    return {"workers": [{"batches": 0, "state": state}], "assign": [], "next_worker": 0}
+
+
 def generator_states(loader: Any) -> dict[str, bytes]:
     return {p: bytes(g.get_state().numpy().tobytes()) for p, g in generators(loader).items()}
 
@@ -258,20 +317,27 @@ def set_generator_states(loader: Any, states: dict[str, bytes]) -> None:
 class EpochStart:
     """What an epoch's sampler draws start from: the global torch, ``random`` and NumPy RNGs
     (after the iterator's base seed draw), the loader's generators, and custom samplers' own
-    ``state_dict()`` (a copy: a sampler may change the dict it returned)."""
+    ``state_dict()`` (a copy: a sampler may change the dict it returned).
+
+    ``before_init``: captured before the iterator's ``__init__`` (``num_workers=0``), so its
+    replay runs that ``__init__`` again: ``iter()`` of the index sampler (a sampler that draws
+    in ``__iter__`` draws there), the base seed, ``iter()`` of an IterableDataset, in torch's
+    order. States saved before it existed lack it: captured after ``__init__``."""
 
     torch_rng: bytes
     generators: dict[str, bytes] = field(default_factory=dict)
     samplers: dict[str, Any] = field(default_factory=dict)
     rngs: bytes | None = None  # rngstate snapshot of all three global RNGs
+    before_init: bool = False
 
     @classmethod
-    def capture(cls, loader: Any) -> EpochStart:
+    def capture(cls, loader: Any, before_init: bool = False) -> EpochStart:
         return cls(
             bytes(torch.get_rng_state().numpy().tobytes()),
             generator_states(loader),
             {p: copy.deepcopy(s.state_dict()) for p, s in stateful_samplers(loader).items()},
             rngstate.capture(),
+            before_init,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -280,11 +346,18 @@ class EpochStart:
             "generators": self.generators,
             "samplers": self.samplers,
             "rngs": self.rngs,
+            "before_init": self.before_init,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpochStart:
-        return cls(d["torch_rng"], dict(d["generators"]), dict(d["samplers"]), d.get("rngs"))
+        return cls(
+            d["torch_rng"],
+            dict(d["generators"]),
+            dict(d["samplers"]),
+            d.get("rngs"),
+            d.get("before_init", False),
+        )
 
     def apply(self, loader: Any) -> None:
         """Put the loader's generators and stateful samplers in this state."""
@@ -315,11 +388,29 @@ class EpochStart:
             rngstate.restore(saved)
 
 
+def skip_consumed(next_index: Any, batches: int) -> None:
+    """Draw the indices of the ``batches`` a resumed epoch consumed before its save; a sampler
+    that ends first (a state from another sampler) raises :class:`StateMismatch`."""
+    for k in range(batches):
+        try:
+            next_index()
+        except StopIteration:
+            raise StateMismatch(
+                f"DataLoader state mismatch: it was saved after {batches} batches of an epoch, "
+                f"but this loader's sampler ends after {k}; resume with the sampler, batch size "
+                "and dataset the state was saved with"
+            ) from None
+
+
 @contextlib.contextmanager
 def untouched_rngs(loader: Any) -> Iterator[None]:
-    """Draws made inside (the base seed of a resumed iterator) leave the global torch RNG and the
-    loader's generators as they were."""
+    """Draws made inside (the base seed of a resumed iterator, and whatever ``iter()`` of its
+    sampler or dataset draws) leave the global torch, ``random`` and NumPy RNGs and the loader's
+    generators as they were."""
     saved = generator_states(loader)
-    with torch.random.fork_rng(devices=[]):
+    rngs = rngstate.capture()
+    try:
         yield
+    finally:
+        rngstate.restore(rngs)
     set_generator_states(loader, saved)

@@ -91,7 +91,12 @@ class WorkerConfig:
     close_fds: tuple[int, ...] = ()  # inherited main-process pipe ends (fork only)
     rng_ring: SlabSpec | None = None  # where to publish RNG snapshots (shmloader.rngstate)
     rng_depth: int = 0
-    rng_restore: bytes | None = None  # RNG state to start from (a resumed DataLoader state)
+    # A resumed DataLoader state's RNG: ``rng_epoch_start`` before ``iter()`` of the dataset
+    # (where the saved run's worker stood when its epoch began: the state between epochs, or an
+    # IterableDataset replica's epoch start, from which a fast-forward replays), ``rng_restore``
+    # once the replica is restored (where it stood after its last consumed batch).
+    rng_epoch_start: bytes | None = None
+    rng_restore: bytes | None = None
     # IterableDataset replica of a resumed epoch: {"batches": consumed, "state": pickled
     # state_dict() or None} (shmloader.progress)
     replica_restore: dict[str, Any] | None = None
@@ -194,6 +199,8 @@ class _Worker:
         try:
             if cfg.init_fn is not None:
                 cfg.init_fn(cfg.worker_id)
+            if cfg.rng_epoch_start is not None:
+                restore(cfg.rng_epoch_start)
             restore_replica = cfg.replica_restore
             if restore_replica is not None and restore_replica["state"] is not None:
                 self.dataset.load_state_dict(pickle.loads(restore_replica["state"]))
@@ -402,6 +409,7 @@ class _Worker:
                 self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
                 return
             self.iteration_end = True
+            self.replica_state(task)  # as the next epoch's iter() finds it (persistent workers)
             self.send(P.Exhausted(task.seq, task.epoch, wid))
             return
         # User code failed: forward it to the main process, as torch does.

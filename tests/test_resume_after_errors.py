@@ -2,16 +2,11 @@
 the loader: a state saved after k items, loaded into a fresh loader in this process, yields the
 uninterrupted run's remaining items (batches bit for bit, errors by type), and no more.
 
-An *item* is what one ``next()`` gave: a batch or an error the loop caught and went on past (as
-torch allows). Every loop is bounded (:data:`CAP` items), so a regression that makes a loader fail
-every batch forever fails the test instead of hanging it. The global RNGs of torch, ``random``
-and NumPy are restored after each test (:func:`own_rngs`); before a resume they are scrambled, as
-a fresh process's would be.
+Items, bounded loops and RNG hygiene: :mod:`tests.resume_items`.
 """
 
 from __future__ import annotations
 
-import io
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -22,110 +17,20 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, Sampler
 
-from shmloader import DataLoader, rngstate
+from shmloader import DataLoader
+from tests.resume_items import (
+    TIMEOUT,
+    Item,
+    drain,
+    next_item,
+    own_rngs,
+    resumed_run,
+    roundtrip,
+    seed_all,
+    uninterrupted_and_resumed,
+)
 
-Item = tuple[str, bytes]  # ("B", the batch's bytes) or ("ERR", the error's type name)
-MakeLoader = Callable[[], DataLoader[Any]]
-CAP = 200  # no run here has that many items: reaching it means a loop that never ends
-TIMEOUT = 60
-
-
-@pytest.fixture(autouse=True)
-def own_rngs() -> Iterator[None]:
-    """Leave the global RNGs of torch, ``random`` and NumPy as they were before the test."""
-    saved = rngstate.capture()
-    try:
-        yield
-    finally:
-        rngstate.restore(saved)
-
-
-def _seed(s: int) -> None:
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s)
-
-
-def _bytes(batch: Any) -> bytes:
-    if isinstance(batch, torch.Tensor):
-        t = batch.contiguous()
-        return f"{t.dtype}{tuple(t.shape)}".encode() + t.numpy().tobytes()
-    if isinstance(batch, list | tuple):
-        return b"[" + b"|".join(_bytes(b) for b in batch) + b"]"
-    return repr(batch).encode()
-
-
-def _roundtrip(sd: dict[str, Any]) -> dict[str, Any]:
-    """The state as a checkpoint holds it: through ``torch.save`` and ``weights_only`` load."""
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)  # type: ignore[no-any-return]
-
-
-def _next_item(it: Iterator[Any], key: Callable[[Any], bytes] = _bytes) -> Item | None:
-    """One ``next()``: the batch (its ``key``), the error it raised (caught, as a training loop
-    may), or None at the end of the epoch."""
-    try:
-        batch = next(it)
-    except StopIteration:
-        return None
-    except Exception as e:  # noqa: BLE001 - the loop under test catches any dataset error
-        return ("ERR", type(e).__name__.encode())
-    return ("B", key(batch))
-
-
-def _drain(it: Iterator[Any], items: list[Item], key: Callable[[Any], bytes] = _bytes) -> None:
-    """Append ``it``'s items up to the end of its epoch, or until ``items`` holds :data:`CAP`."""
-    while len(items) < CAP:
-        item = _next_item(it, key)
-        if item is None:
-            return
-        items.append(item)
-
-
-def _saving_run(
-    loader: DataLoader[Any], epochs: int, save_after: int
-) -> tuple[list[Item], dict[str, Any]]:
-    """Every item of ``epochs`` epochs, and the loader's state saved after ``save_after`` items
-    (mid-epoch: before the ``next()`` that gives item ``save_after``)."""
-    items: list[Item] = []
-    state: dict[str, Any] | None = None
-    for _ in range(epochs):
-        it = iter(loader)
-        while len(items) < CAP:
-            if len(items) == save_after and state is None:
-                state = _roundtrip(loader.state_dict())
-            item = _next_item(it)
-            if item is None:
-                break
-            items.append(item)
-        del it
-    assert state is not None, f"the run had {len(items)} items, never {save_after}"
-    return items, state
-
-
-def _resumed_run(
-    make: MakeLoader, state: dict[str, Any], epochs: int, key: Callable[[Any], bytes] = _bytes
-) -> list[Item]:
-    """A fresh loader, its global RNGs scrambled, loaded with ``state`` and run to the end."""
-    _seed(12345)
-    loader = make()
-    loader.load_state_dict(state)
-    items: list[Item] = []
-    for _ in range(state["epoch"], epochs):
-        _drain(iter(loader), items, key)
-    return items
-
-
-def _uninterrupted_and_resumed(
-    make: MakeLoader, epochs: int, save_after: int
-) -> tuple[list[Item], list[Item], list[Item]]:
-    """(items before the save, the uninterrupted run's items after it, the resumed run's)."""
-    _seed(0)
-    full, state = _saving_run(make(), epochs, save_after)
-    return full[:save_after], full[save_after:], _resumed_run(make, state, epochs)
-
+__all__ = ["own_rngs"]  # the autouse fixture, imported to apply here
 
 # -- 1. a batch that raised, the loop went on --------------------------------------------------
 
@@ -156,7 +61,7 @@ def test_a_state_saved_after_a_raised_batch_resumes_without_repeating_a_batch(
         return DataLoader(AugmentRaisesAt9(), batch_size=4, num_workers=workers,
                           timeout=TIMEOUT if workers else 0, in_order=True)  # fmt: skip
 
-    before, expected, resumed = _uninterrupted_and_resumed(make, 2, save_after)
+    before, expected, resumed = uninterrupted_and_resumed(make, 2, save_after)
     assert before[2] == ("ERR", b"ValueError")  # the error the loop caught, before the save
     assert resumed == expected
 
@@ -196,25 +101,25 @@ def test_state_dict_right_after_an_arena_capacity_error_resumes_the_rest(in_orde
                           arena_max_bytes=1 << 20, in_order=in_order, timeout=TIMEOUT)  # fmt: skip
 
     if in_order:
-        before, expected, resumed = _uninterrupted_and_resumed(make, 1, 3)
+        before, expected, resumed = uninterrupted_and_resumed(make, 1, 3)
         assert before[2] == ("ERR", b"ArenaCapacityError")
         assert resumed == expected
         return
-    _seed(0)
+    seed_all(0)
     loader = make()
     it = iter(loader)
     consumed: list[Item] = []
     while ("ERR", b"ArenaCapacityError") not in consumed and len(consumed) < 10:
-        item = _next_item(it, _sample_indices)
+        item = next_item(it, _sample_indices)
         assert item is not None
         consumed.append(item)
     assert ("ERR", b"ArenaCapacityError") in consumed
-    state = _roundtrip(loader.state_dict())  # right after the error
+    state = roundtrip(loader.state_dict())  # right after the error
     rest: list[Item] = []
-    _drain(it, rest, _sample_indices)
+    drain(it, rest, _sample_indices)
     del it
     assert len(consumed) + len(rest) == 10  # every batch once: 9 of them and the error
-    resumed = _resumed_run(make, state, 1, _sample_indices)
+    resumed = resumed_run(make, state, 1, _sample_indices)
     assert sorted(resumed) == sorted(rest)
 
 
@@ -301,9 +206,9 @@ def test_a_fast_forwarded_replica_that_raised_before_the_save_resumes_the_rest_a
         return DataLoader(dataset(), batch_size=2, num_workers=workers,
                           timeout=TIMEOUT if workers else 0)  # fmt: skip
 
-    before, expected, resumed = _uninterrupted_and_resumed(make, 2, save_after)
+    before, expected, resumed = uninterrupted_and_resumed(make, 2, save_after)
     assert ("ERR", b"ValueError") in before
-    assert resumed == expected  # and it ended: _drain stops at CAP items otherwise
+    assert resumed == expected  # and it ended: drain stops at CAP items otherwise
 
 
 def test_a_stateful_replica_that_raised_before_the_save_resumes_the_rest() -> None:
@@ -314,7 +219,7 @@ def test_a_stateful_replica_that_raised_before_the_save_resumes_the_rest() -> No
         return DataLoader(StatefulRecordsWithABadOne(), batch_size=2, num_workers=2,
                           timeout=TIMEOUT)  # fmt: skip
 
-    before, expected, resumed = _uninterrupted_and_resumed(make, 2, 3)
+    before, expected, resumed = uninterrupted_and_resumed(make, 2, 3)
     assert before[-1] == ("ERR", b"ValueError")
     assert resumed == expected
 
@@ -345,7 +250,7 @@ class UnpicklableState(IterableDataset):  # type: ignore[type-arg]
 def test_an_unpicklable_replica_state_fails_only_state_dict_naming_it() -> None:
     def items(loader: Any) -> list[Item]:
         out: list[Item] = []
-        _drain(iter(loader), out)
+        drain(iter(loader), out)
         return out
 
     kw: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "timeout": TIMEOUT}
@@ -357,12 +262,12 @@ def test_an_unpicklable_replica_state_fails_only_state_dict_naming_it() -> None:
     it = iter(loader)
     got: list[Item] = []
     for _ in range(2):
-        item = _next_item(it)
+        item = next_item(it)
         assert item is not None
         got.append(item)
     with pytest.raises(RuntimeError, match=r"replica state_dict\(\) could not be taken or pickled"):
         loader.state_dict()
-    _drain(it, got)  # the iterator goes on after the failed save
+    drain(it, got)  # the iterator goes on after the failed save
     del it
     assert got == expected
 
@@ -458,7 +363,7 @@ def test_a_custom_sampler_drawing_outside_the_loader_resumes_exactly(
         return DataLoader(Indices(), num_workers=workers, timeout=TIMEOUT if workers else 0,
                           **SAMPLERS[sampler]())  # fmt: skip
 
-    _, expected, resumed = _uninterrupted_and_resumed(make, 3, save_after)
+    _, expected, resumed = uninterrupted_and_resumed(make, 3, save_after)
     assert len(expected) == 36 - save_after
     assert resumed == expected
 
@@ -471,6 +376,6 @@ def test_a_stateful_sampler_inside_torchs_batch_sampler_resumes_exactly() -> Non
         return DataLoader(Indices(), batch_sampler=BatchSampler(OwnRngSampler(), 4, False),
                           num_workers=2, timeout=TIMEOUT)  # fmt: skip
 
-    _, expected, resumed = _uninterrupted_and_resumed(make, 3, 17)
+    _, expected, resumed = uninterrupted_and_resumed(make, 3, 17)
     assert len(expected) == 19
     assert resumed == expected

@@ -1,0 +1,403 @@
+"""Exact resume at the edges review 16 found: a state taken after an abandoned epoch whose
+batches had been read ahead, between epochs of a dataset that counts its own epochs, mid-epoch
+of persistent workers that shuffle on their own, with samplers that draw in ``iter()``, and loads
+that must be refused (or allowed) with the right words.
+
+Each test saves a state in this process and resumes it in a fresh loader whose global RNGs were
+scrambled (:mod:`tests.resume_items`), and compares with the uninterrupted run, item for item.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    get_worker_info,
+)
+
+from shmloader import DataLoader
+from tests.resume_items import (
+    TIMEOUT,
+    Item,
+    drain,
+    own_rngs,
+    resumed_run,
+    roundtrip,
+    seed_all,
+    uninterrupted_and_resumed,
+)
+
+__all__ = ["own_rngs"]  # the autouse fixture, imported to apply here
+
+N = 24
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class Augment(Dataset):  # type: ignore[type-arg]
+    """Each item draws from torch, ``random`` and NumPy, as augmentations do."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(
+            [float(i), torch.rand(()).item(), random.random(), float(np.random.rand())],
+            dtype=torch.float64,
+        )
+
+
+# -- an epoch abandoned with answers read ahead ------------------------------------------------
+
+
+def test_a_state_after_an_abandoned_epoch_counts_the_batches_read_ahead() -> None:
+    """F1: the user leaves an epoch after two batches, when the workers' answers to the tasks
+    after them have been read but not consumed. Abandoning the epoch consumes them: each
+    worker's RNG moved past their draws, so a state taken before the next epoch's first batch
+    must carry the RNG after them (it carried the RNG after the last batch consumed)."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=3, shuffle=True, num_workers=2,
+                          persistent_workers=True, timeout=TIMEOUT)  # fmt: skip
+
+    seed_all(0)
+    loader = make()
+    it = iter(loader)
+    next(it)
+    next(it)
+    tasks = it._dispatch.tasks
+    while any(info.answer is None for info in tasks):  # every answer in flight read, none used
+        it._receive()
+    assert len(list(tasks)) >= 2, "no answer read ahead: the test needs some"
+    it = iter(loader)  # epoch 0 abandoned
+    state = roundtrip(loader.state_dict())
+    expected: list[Item] = []
+    drain(it, expected)
+    drain(iter(loader), expected)
+    assert len(expected) == 2 * N // 3
+    assert resumed_run(make, state, 3) == expected
+
+
+# -- a dataset that counts its own epochs, saved between them ----------------------------------
+
+
+class EpochCounting(IterableDataset):  # type: ignore[type-arg]
+    """Stateful (torchdata's protocol): epoch ``e``'s order is a permutation seeded by ``e``,
+    which the replica counts itself; its state says where it is, and whether an epoch is open."""
+
+    def __init__(self) -> None:
+        self.epochs = 0  # epochs begun
+        self.current: int | None = None  # the epoch being iterated, None once it ended
+        self.pos = 0
+        self._resume: tuple[int, int] | None = None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self._resume is not None:
+            epoch, start = self._resume
+            self._resume = None
+        else:
+            epoch, start = self.epochs, 0
+            self.epochs += 1
+        wid, nw = _worker()
+        g = torch.Generator().manual_seed(epoch)
+        order = [i for i in torch.randperm(N, generator=g).tolist() if i % nw == wid]
+        self.current, self.pos = epoch, start
+        while self.pos < len(order):
+            self.pos += 1
+            yield torch.tensor([float(order[self.pos - 1]), float(epoch)])
+        self.current = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epochs": self.epochs, "current": self.current, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epochs = sd["epochs"]
+        self._resume = None if sd["current"] is None else (sd["current"], sd["pos"])
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["0 workers", "2 persistent workers"])
+def test_a_state_saved_between_epochs_carries_the_replicas_own_state(workers: int) -> None:
+    """F2: saved after the StopIteration of epoch 0, the state held no replica state, so the
+    resumed dataset began at its epoch 0 again."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(EpochCounting(), batch_size=4, num_workers=workers,
+                          persistent_workers=workers > 0,
+                          timeout=TIMEOUT if workers else 0)  # fmt: skip
+
+    seed_all(0)
+    loader = make()
+    before: list[Item] = []
+    drain(iter(loader), before)
+    state = roundtrip(loader.state_dict())
+    assert not state["in_epoch"]
+    expected: list[Item] = []
+    for _ in range(2):
+        drain(iter(loader), expected)
+    assert len(expected) == len(before) * 2
+    assert resumed_run(make, state, 3) == expected
+
+
+# -- datasets and samplers that shuffle with the global RNGs -----------------------------------
+
+
+class ShuffledShards(IterableDataset):  # type: ignore[type-arg]
+    """Not Stateful: each replica shuffles its shard with ``random`` as its iteration starts
+    (in a generator, or at once in ``__iter__``), and draws from torch per item."""
+
+    def __init__(self, eager: bool = False) -> None:
+        self.eager = eager
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        wid, nw = _worker()
+        order = [i for i in range(N) if i % nw == wid]
+        if self.eager:
+            random.shuffle(order)
+            return iter([torch.tensor([float(i)]) for i in order])
+        return self._items(order)
+
+    @staticmethod
+    def _items(order: list[int]) -> Iterator[torch.Tensor]:
+        random.shuffle(order)
+        for i in order:
+            yield torch.tensor([float(i), torch.rand(()).item()])
+
+
+@pytest.mark.parametrize("save_after", [3, 9])  # epoch 0, epoch 1 (6 batches an epoch)
+def test_persistent_workers_fast_forward_from_where_their_epoch_began(save_after: int) -> None:
+    """F3: in epoch 1 a persistent worker's replica began its pass with the RNG the worker had
+    after epoch 0, but a resumed worker fast-forwarded it from its fresh seed."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(ShuffledShards(), batch_size=4, num_workers=2, persistent_workers=True,
+                          timeout=TIMEOUT)  # fmt: skip
+
+    _, expected, resumed = uninterrupted_and_resumed(make, 3, save_after)
+    assert len(expected) == 18 - save_after
+    assert resumed == expected
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["generator", "eager"])
+def test_no_workers_fast_forward_replays_the_epochs_own_draws(eager: bool) -> None:
+    """F11: with ``num_workers=0`` the replica shuffled with the global RNG as it stood at
+    ``state_dict()``, not at the epoch's start (with workers it was exact)."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(ShuffledShards(eager), batch_size=4)
+
+    _, expected, resumed = uninterrupted_and_resumed(make, 2, 2)
+    assert len(expected) == 10
+    assert resumed == expected
+
+
+class EagerPermutation(Sampler[int]):
+    """Draws its whole permutation from the global torch RNG when ``iter()`` is called."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(N).tolist())
+
+
+class EagerBatches(Sampler[list[int]]):
+    """A batch sampler that shuffles with ``random`` when ``iter()`` is called."""
+
+    def __len__(self) -> int:
+        return N // 4
+
+    def __iter__(self) -> Iterator[list[int]]:
+        idx = list(range(N))
+        random.shuffle(idx)
+        return iter([idx[i : i + 4] for i in range(0, N, 4)])
+
+
+SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
+    "batch_size=None, eager sampler": lambda: {"batch_size": None, "sampler": EagerPermutation()},
+    "eager batch_sampler": lambda: {"batch_sampler": EagerBatches()},
+}
+
+
+@pytest.mark.parametrize("save_after", [1, 4], ids=["epoch 0", "epoch 1"])
+@pytest.mark.parametrize("workers", [0, 2, "persistent"])
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_a_sampler_that_draws_in_iter_resumes_exactly(
+    sampler: str, workers: int | str, save_after: int
+) -> None:
+    """F4: with ``num_workers=0`` the epoch's start was taken after torch's ``__init__`` had
+    called ``iter()`` of the sampler, so the resumed epoch drew another permutation. F5: with
+    workers, the draws of the resumed iterator's own ``__init__`` were undone for torch's RNG
+    only, so a ``random`` one moved the next epoch's."""
+    nw = 2 if workers == "persistent" else int(workers)
+    spec = SAMPLERS[sampler]()
+    per_epoch = N if spec.get("batch_size", 1) is None else N // 4
+    save = save_after if per_epoch == N // 4 else save_after * 4
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), num_workers=nw, persistent_workers=workers == "persistent",
+                          timeout=TIMEOUT if nw else 0, **SAMPLERS[sampler]())  # fmt: skip
+
+    _, expected, resumed = uninterrupted_and_resumed(make, 3, save)
+    assert len(expected) == 3 * per_epoch - save
+    assert resumed == expected
+
+
+# -- a replica state the dataset goes on changing ----------------------------------------------
+
+
+class LiveState(IterableDataset):  # type: ignore[type-arg]
+    """Stateful: ``state_dict()`` returns its live dict, which iterating goes on changing."""
+
+    def __init__(self) -> None:
+        self.st = {"pos": 0}
+        self._start = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.st["pos"], self._start = self._start, 0
+        while self.st["pos"] < N:
+            self.st["pos"] += 1
+            yield torch.tensor([float(self.st["pos"])])
+
+    def state_dict(self) -> dict[str, int]:
+        return self.st
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self._start = sd["pos"]
+
+
+def test_a_replica_state_is_copied_when_saved_without_workers() -> None:
+    """F7: with ``num_workers=0`` the state held the dataset's own dict, so a state kept in
+    memory (not yet written out) changed as the epoch went on."""
+    loader = DataLoader(LiveState(), batch_size=4)
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict()  # kept as it is: no torch.save round trip
+    expected: list[Item] = []
+    drain(it, expected)
+    resumed = DataLoader(LiveState(), batch_size=4)
+    resumed.load_state_dict(state)
+    got: list[Item] = []
+    drain(iter(resumed), got)
+    assert len(expected) == N // 4 - 2
+    assert got == expected
+
+
+# -- loads refused, and allowed --------------------------------------------------------------
+
+
+def _state_of(loader: DataLoader[Any], k: int = 2) -> dict[str, Any]:
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "named"),
+    [
+        (lambda ds: {"batch_sampler": BatchSampler(RandomSampler(ds), 4, False)},
+         lambda ds: {"batch_sampler": BatchSampler(RandomSampler(ds), 5, False)},
+         "batch_sampler.batch_size"),
+        (lambda ds: {"batch_sampler": BatchSampler(RandomSampler(ds), 4, False)},
+         lambda ds: {"batch_sampler": BatchSampler(RandomSampler(ds), 4, True)},
+         "batch_sampler.drop_last"),
+        (lambda ds: {"sampler": RandomSampler(ds, num_samples=20), "batch_size": 4},
+         lambda ds: {"sampler": RandomSampler(ds, num_samples=40), "batch_size": 4},
+         "batches"),
+    ],
+    ids=["batch_sampler's batch size", "batch_sampler's drop_last", "sampler's length"],
+)  # fmt: skip
+def test_a_state_of_other_sampling_is_refused_naming_it(
+    saved: Callable[[Any], dict[str, Any]], loaded: Callable[[Any], dict[str, Any]], named: str
+) -> None:
+    """F8: these loaded silently (the fingerprint held the loader's batch size and drop_last,
+    None and False under ``batch_sampler=``, and never the number of batches)."""
+    ds = Augment()
+    sd = _state_of(DataLoader(ds, **saved(ds)))
+    with pytest.raises(ValueError, match=f"mismatch: it was saved with {named}="):
+        DataLoader(ds, **loaded(ds)).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("key", ["yielded", "yielded_extra"])
+def test_a_state_past_the_epochs_end_is_refused_at_load(key: str) -> None:
+    """F9: a ``yielded`` past the epoch's end loaded, and every ``iter()`` then raised a bare
+    StopIteration, for good."""
+    sd = _state_of(DataLoader(Augment(), batch_size=4, in_order=False))
+    bad = {**sd, key: 1000 if key == "yielded" else [1000]}
+    with pytest.raises(ValueError, match="corrupted DataLoader state.*epoch of 6 batches"):
+        DataLoader(Augment(), batch_size=4, in_order=False).load_state_dict(bad)
+
+
+class Unsized(Sampler[int]):
+    """No ``__len__``: the loader cannot tell at load how many batches an epoch has."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_shorter_than_the_state_is_refused_at_iter_once(workers: int) -> None:
+    """F9: found only when ``iter()`` replays the draws: a ValueError naming both lengths, and
+    the next ``iter()`` starts afresh (before, a bare StopIteration, at every ``iter()``)."""
+
+    def make(n: int) -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, sampler=Unsized(n), num_workers=workers,
+                          timeout=TIMEOUT if workers else 0)  # fmt: skip
+
+    sd = _state_of(make(20), k=3)
+    short = make(4)
+    short.load_state_dict(sd)
+    with pytest.raises(ValueError, match="saved after 3 batches.*sampler ends after 2"):
+        iter(short)
+    assert [b[:, 0].tolist() for b in short] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_a_loader_whose_worker_died_takes_the_last_good_state() -> None:
+    """F10: after a worker's death (its iterator unusable, persistent workers), loading the
+    last good state was refused as if the loader were mid-epoch."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=True, timeout=TIMEOUT)  # fmt: skip
+
+    seed_all(0)
+    loader = make()
+    it = iter(loader)
+    next(it)
+    good = roundtrip(loader.state_dict())
+    expected: list[Item] = []
+    drain(it, expected)
+    drain(iter(loader), expected)
+    it = iter(loader)
+    next(it)
+    os.kill(it._workers[0].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        for _ in range(N):
+            next(it)
+    with pytest.raises(RuntimeError, match="iterator is unusable"):
+        loader.state_dict()  # it says why its epoch ended
+    seed_all(12345)
+    loader.load_state_dict(good)
+    got: list[Item] = []
+    drain(iter(loader), got)
+    drain(iter(loader), got)
+    assert got == expected
