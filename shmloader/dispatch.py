@@ -206,10 +206,12 @@ class Dispatch:
             self._forced = deque(replay["assign"])
             self._next_worker = replay["next_worker"]
 
-    def assignment(self) -> tuple[list[int], int]:
-        """The workers of the tasks decided and not yet consumed, in sampler order, and the
-        round-robin pointer after them (what :meth:`start_at` replays)."""
+    def assignment(self, consumed_again: dict[int, int] | None = None) -> tuple[list[int], int]:
+        """The workers of the tasks decided and not yet consumed (and of ``consumed_again``,
+        ``seq -> worker``: consumed tasks a saved state counts as not), in sampler order, and
+        the round-robin pointer after them (what :meth:`start_at` replays)."""
         pending = {i.seq: i.worker_id for i in [*self.tasks, *self.arrived]}
+        pending.update(consumed_again or {})
         forced = list(self._forced)  # a replay not finished yet comes after them
         return [pending[s] for s in sorted(pending)] + forced, self._next_worker
 

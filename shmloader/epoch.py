@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,7 @@ class ShmDataLoaderIter(NextBatch):
         on_death(self, ending)
         self.failure = None
         self._safe = False
+        self._rewind_keep = 0  # rewindable()
         self._reset(loader, first_iter=True)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -143,6 +145,9 @@ class ShmDataLoaderIter(NextBatch):
             self._num_yielded = skip
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
+            if self._rewind_keep:  # a DevicePrefetcher's batches ahead: see rewindable()
+                self._at.log = deque(maxlen=self._rewind_keep)
+                self._progress.undo = deque(maxlen=self._rewind_keep)
             # Batches the user dropped since the last next() give their slots to the first
             # tasks: else those wait, decided and unsent, until the first next().
             self._leases.drain()
@@ -152,8 +157,10 @@ class ShmDataLoaderIter(NextBatch):
     # -- resume state ---------------------------------------------------------------------------
 
     @one_thread("state_dict()")
-    def resume_state(self) -> dict[str, Any]:
-        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`)."""
+    def resume_state(self, behind: int = 0) -> dict[str, Any]:
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as
+        of ``behind`` batches ago: those a consumer took and has not handed out yet (a
+        ``DevicePrefetcher``), which a resumed loader produces again."""
         self._check_usable()
         d = self._dispatch
         try:
@@ -162,19 +169,45 @@ class ShmDataLoaderIter(NextBatch):
         except BaseException as e:
             self._left(e, "state_dict()")
             raise
-        in_epoch = not self._ended
-        yielded, extra = self._at.record(d.in_order) if in_epoch else (0, [])
+        if self._ended and not behind:  # between epochs: the next one starts past them all
+            return {
+                "epoch": self.epoch_no + 1,
+                "in_epoch": False,
+                "yielded": 0,
+                "yielded_extra": [],
+                "base_seed": int(self._base_seed),
+                "epoch_start": None,
+                "workers": self._progress.rng_states(d.exhausted, d.epoch),
+                "replicas": self._progress.between_epochs_record(),
+            }
+        yielded, extra = self._at.record(d.in_order, behind)
+        progress, back = self._progress.behind(behind)
+        try:
+            workers = progress.rng_states()
+        except RuntimeError as e:
+            if not behind:
+                raise
+            raise RuntimeError(
+                f"cannot save the DataLoader's state {behind} batches behind the iterator (the "
+                f"batches a DevicePrefetcher holds ahead of you): the workers' RNG snapshots of "
+                f"then are gone from their ring of {progress.ring.depth}; make the "
+                "DevicePrefetcher before the loader's first iter()"
+            ) from e
         return {
-            "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
-            "in_epoch": in_epoch,
+            "epoch": self.epoch_no,
+            "in_epoch": True,
             "yielded": yielded,
             "yielded_extra": extra,
             "base_seed": int(self._base_seed),
-            "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
-            "workers": self._progress.rng_states(),
-            "replicas": (
-                self._progress.replica_record(*d.assignment())
-                if in_epoch
-                else self._progress.between_epochs_record()
-            ),
+            "epoch_start": self.epoch_start.as_dict(),
+            "workers": workers,
+            "replicas": progress.replica_record(*d.assignment(back)),
         }
+
+    def rewindable(self, batches: int) -> None:
+        """Keep what the last consumed batches changed (at least ``batches``), so that
+        ``state_dict()`` can be taken as of before them (a ``DevicePrefetcher`` holds up to
+        that many ahead); from now on, every epoch."""
+        self._rewind_keep = keep = max(64, 2 * batches)
+        self._progress.undo = deque(self._progress.undo or (), maxlen=keep)
+        self._at.log = deque(self._at.log or (), maxlen=keep)

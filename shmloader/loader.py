@@ -77,6 +77,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
+        self._ahead = 0  # batches the live iterator yielded and a consumer holds unseen
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -111,6 +112,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._plan = plan  # no batch came from it: the next iter() resumes from the state
             raise
         self._live = weakref.ref(it)
+        if self._consumer_holds > 1:
+            it.rewindable(self._consumer_holds)
         return it
 
     def _current(self) -> Any:
@@ -124,24 +127,26 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         batches an uninterrupted run yields next. Small, picklable, ``torch.save``-able; see
         :mod:`shmloader.state` for its fields."""
         it = self._current()
+        ahead = self._ahead if it is not None else 0
         if self._plan is not None:
             body = {k: self._plan[k] for k in S.ITER_KEYS}
-        elif it is None or (it._ended and not self.persistent_workers):
+        elif it is None or (it._ended and not self.persistent_workers and not ahead):
             body = {
                 "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
                 "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],
                 "replicas": S.dataset_between_epochs(self),
             }  # fmt: skip
         else:
-            body = it.resume_state()
+            body = it.resume_state(ahead)
         if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
             body["epoch_start"] = S.EpochStart.capture(self).as_dict()
+        main_rng = body.pop("main_rng", None)  # num_workers=0 behind a DevicePrefetcher
         return {
             "format": S.FORMAT,
             "version": S.VERSION,
             "fingerprint": S.fingerprint(self),
             **body,
-            "main_rng": rngstate.capture(),
+            "main_rng": rngstate.capture() if main_rng is None else main_rng,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -217,12 +222,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         depth d: d + 2). New slabs get a slot for each, unless ``arena_slots_per_slab`` was
         given; without them the workers would wait for slots the consumer holds."""
         self._consumer_holds = max(self._consumer_holds, batches)
+        it = self._current()
+        if it is not None:
+            it.rewindable(batches)  # state_dict() rewinds the batches it holds unseen
         host = self._host
         if host is not None and host.here and not self.arena_options.slots_per_slab:
             host.arena.slots_per_slab = max(host.arena.slots_per_slab,
                                             self._default_slots_per_slab())
 
+    def _batches_ahead(self, batches: int) -> None:
+        """A consumer (``DevicePrefetcher``) holds ``batches`` it took from the live iterator and
+        has not handed out yet: ``state_dict()`` counts them as not consumed."""
+        self._ahead = batches
+
     def __iter__(self) -> Any:
+        self._ahead = 0
         # A persistent iterator whose workers died or were stopped, or one inherited through
         # fork() (its workers are the parent's), is replaced instead of reset.
         it = self._iterator

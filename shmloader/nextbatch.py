@@ -115,8 +115,6 @@ class NextBatch(_BaseDataLoaderIter):
                 return self._process(info)
             if not d.pending(d.status.__getitem__):
                 self._ended = True
-                for seq, wid in d.take_exhausted():  # every batch consumed: the RNGs moved on
-                    self._progress.moved_past(wid, d.epoch, seq)
                 if not self._persistent_workers:
                     self._ending()
                     self._leases.drain()

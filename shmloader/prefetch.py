@@ -132,6 +132,7 @@ class DevicePrefetcher:
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
             will_hold(self.depth + 2)
         done = getattr(self.loader, "_copies_done", None)  # a shmloader DataLoader's
+        tell_ahead = getattr(self.loader, "_batches_ahead", None)  # a shmloader DataLoader's
         source = iter(self.loader)
         in_flight: deque[tuple[Any, Any, Event]] = deque()  # (host, device, event)
         retiring: deque[tuple[Any, Event]] = deque()  # host batches whose copy may still run
@@ -144,9 +145,15 @@ class DevicePrefetcher:
                 # consumer waits for the whole device (torch.cuda.synchronize()) every step.
                 ahead = next(source, _END)
                 if len(in_flight) > self.depth:
-                    yield self._hand_over(engine, in_flight, retiring, done)
+                    batch = self._hand_over(engine, in_flight, retiring, done)
+                    if tell_ahead is not None:  # taken, not yet handed out: not consumed
+                        tell_ahead(len(in_flight) + (ahead is not _END))
+                    yield batch
             while in_flight:
-                yield self._hand_over(engine, in_flight, retiring, done)
+                batch = self._hand_over(engine, in_flight, retiring, done)
+                if tell_ahead is not None:
+                    tell_ahead(len(in_flight))
+                yield batch
         finally:
             for _, event in retiring:
                 event.synchronize()

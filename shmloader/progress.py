@@ -30,7 +30,10 @@ duplicated. Costs nothing per batch for map-style datasets beyond one tuple stor
 
 from __future__ import annotations
 
+import copy
 import pickle
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from shmloader import protocol as P
@@ -72,6 +75,9 @@ class WorkerProgress:
         else:  # a fresh iterator, or one resumed between epochs: its workers start there
             self.epoch_rng = list(self.rng_carry)
         self._epoch_rng_due = [False] * num_workers
+        # What each consumed batch changed, latest last, while a consumer holds batches taken
+        # ahead of its user (a DevicePrefetcher): the state is saved as of before them.
+        self.undo: deque[tuple[Any, ...]] | None = None
 
     def restore_for(self, worker_id: int, index: Any) -> dict[str, Any] | None:
         """What a resumed worker's replica starts from (``WorkerConfig.replica_restore``);
@@ -112,6 +118,12 @@ class WorkerProgress:
 
     def consumed(self, worker_id: int, epoch: int, seq: int) -> None:
         """The user got the batch (or the error) of task ``seq`` of ``worker_id``."""
+        if self.undo is not None:
+            w = worker_id
+            self.undo.append(
+                (w, seq, self.rng_last[w], self.batches[w], self.states[w],
+                 self._epoch_rng_due[w], self.epoch_rng[w])
+            )  # fmt: skip
         if self._epoch_rng_due[worker_id]:
             self._epoch_rng_due[worker_id] = False
             self.epoch_rng[worker_id] = self._rng_now(worker_id)
@@ -126,8 +138,46 @@ class WorkerProgress:
         last = self.rng_last[worker_id]
         return self.rng_carry[worker_id] if last is None else self.ring.read(worker_id, *last)
 
-    def rng_states(self) -> list[bytes | None]:
-        return [self._rng_now(w) for w in range(len(self.rng_last))]
+    def rng_states(
+        self, moved_past: Sequence[tuple[int, int]] = (), epoch: int = 0
+    ) -> list[bytes | None]:
+        """Each worker's RNG as of its last consumed task, or past ``moved_past`` (``(seq,
+        worker)`` of tasks of ``epoch`` that left nothing to consume: an ended epoch's
+        EXHAUSTED answers)."""
+        view = self
+        if moved_past:
+            view = copy.copy(self)
+            view.rng_last = list(self.rng_last)
+            for seq, wid in sorted(moved_past):
+                view.rng_last[wid] = (epoch, seq)
+        return [view._rng_now(w) for w in range(len(self.rng_last))]
+
+    def behind(self, batches: int) -> tuple[WorkerProgress, dict[int, int]]:
+        """These records as they were ``batches`` consumed batches ago (a copy), and the tasks
+        of those batches (``seq -> worker``), in flight again as far as a saved state goes."""
+        if not batches:
+            return self, {}
+        log = self.undo
+        if log is None or len(log) < batches:
+            raise RuntimeError(
+                f"cannot save the DataLoader's state {batches} batches behind the iterator (the "
+                f"batches a DevicePrefetcher holds ahead of you): only "
+                f"{0 if log is None else len(log)} are recorded; make the DevicePrefetcher before "
+                "the loader's iter(), or lower its depth"
+            )
+        view = copy.copy(self)
+        view.undo = None
+        view.rng_last, view.batches, view.states = (
+            list(self.rng_last), list(self.batches), list(self.states)
+        )
+        view._epoch_rng_due, view.epoch_rng = list(self._epoch_rng_due), list(self.epoch_rng)
+        back: dict[int, int] = {}
+        for entry in reversed(list(log)[-batches:]):
+            w, seq, last, n, st, due, rng = entry
+            view.rng_last[w], view.batches[w], view.states[w] = last, n, st
+            view._epoch_rng_due[w], view.epoch_rng[w] = due, rng
+            back[seq] = w
+        return view, back
 
     def replica_record(self, assign: list[int], next_worker: int) -> dict[str, Any] | None:
         """The ``replicas`` entry of the state (None for map-style datasets)."""
@@ -180,7 +230,7 @@ class SamplerProgress:
     sending them.
     """
 
-    __slots__ = ("count", "done", "next", "of_seq", "prefix", "skip")
+    __slots__ = ("count", "done", "log", "next", "of_seq", "prefix", "skip")
 
     def __init__(self, start: int = 0, consumed_past: tuple[int, ...] | list[int] = ()) -> None:
         self.next = start  # sampler position of the next index drawn
@@ -189,6 +239,9 @@ class SamplerProgress:
         self.prefix = start  # in_order=False: positions below it are all consumed ...
         self.done = set(self.skip)  # ... and these past it
         self.of_seq: list[int] = []  # in_order=False: task seq -> sampler position
+        # in_order=False: positions consumed, latest last, while a consumer holds batches taken
+        # ahead of its user (a DevicePrefetcher)
+        self.log: deque[int] | None = None
 
     def draw(self, next_index: Any) -> Any:
         """The next index to send (``next_index()`` raises StopIteration at the end); its
@@ -201,13 +254,28 @@ class SamplerProgress:
         self.next += 1
         return index
 
-    def record(self, in_order: bool) -> tuple[int, list[int]]:
-        """What a saved state records: the consumed prefix, and the positions past it."""
-        return (self.count, []) if in_order else (self.prefix, sorted(self.done))
+    def record(self, in_order: bool, behind: int = 0) -> tuple[int, list[int]]:
+        """What a saved state records: the consumed prefix, and the positions past it; as of
+        ``behind`` consumed batches ago."""
+        if in_order:
+            return (self.count - behind, [])
+        if not behind:
+            return (self.prefix, sorted(self.done))
+        if self.log is None or len(self.log) < behind:
+            raise RuntimeError(
+                f"cannot save the DataLoader's state {behind} batches behind the iterator: only "
+                f"{0 if self.log is None else len(self.log)} are recorded"
+            )
+        back = set(list(self.log)[-behind:])
+        low = min(min(back), self.prefix)
+        done = {p for p in range(low, self.prefix) if p not in back} | (self.done - back)
+        return (low, sorted(done))
 
     def consumed(self, seq: int) -> None:
         """in_order=False: the batch of task ``seq`` was consumed."""
         pos = self.of_seq[seq]
+        if self.log is not None:
+            self.log.append(pos)
         if pos != self.prefix:
             self.done.add(pos)
             return

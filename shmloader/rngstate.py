@@ -25,10 +25,12 @@ Ring (one slab, ``nworkers * depth`` entries of ``ENTRY_SIZE`` bytes): worker ``
 ``(epoch + 1, seq)`` (0 = empty). A worker publishes before it sends the task's answer, so an
 answer the main process has seen always has its entry. Invariant: a worker answers at most
 ``prefetch_factor`` tasks beyond the last one the user consumed, so with ``depth >
-prefetch_factor + 1`` the entry the main process needs is never overwritten; the reader checks
-the tag before and after copying and raises if it was. The ring holds one descriptor in the main
-process; when the process has none to spare as the iterator starts its workers, the
-``ArenaDescriptorError`` names the ring and the workers being started, with the numbers.
+prefetch_factor + 1`` the entry the main process needs is never overwritten (the iterator adds
+an entry for each batch a ``DevicePrefetcher`` holds beyond one, which a state rewinds); the
+reader checks the tag before and after copying and raises if it was. The ring holds one
+descriptor in the main process; when the process has none to spare as the iterator starts its
+workers, the ``ArenaDescriptorError`` names the ring and the workers being started, with the
+numbers.
 """
 
 from __future__ import annotations

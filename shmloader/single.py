@@ -14,6 +14,7 @@ already consumed are fetched again and dropped, with the global RNGs put back af
 from __future__ import annotations
 
 import copy
+from collections import deque
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoa
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         self._consumed = 0
+        # While a DevicePrefetcher holds batches unseen: the global RNGs before each fetch, so
+        # that a state saved behind them resumes from before their draws (rewindable()).
+        self._rngs_before: deque[bytes] | None = None
         resumed = plan is not None and plan["in_epoch"]
         replica = plan["replicas"]["workers"][0] if resumed and plan["replicas"] else None  # type: ignore[index]
         if replica is not None and "state" in replica:
@@ -98,31 +102,59 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return index
 
     def _next_data(self) -> Any:
+        if self._rngs_before is not None:
+            self._rngs_before.append(rngstate.capture())
         try:
             return super()._next_data()  # type: ignore[no-untyped-call]
         except StopIteration:
+            if self._rngs_before:
+                self._rngs_before.pop()  # no batch came of that fetch
             self._ended = True
             raise
 
-    def resume_state(self) -> dict[str, Any]:
-        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`)."""
-        in_epoch = not self._ended
-        return {
-            "epoch": self.epoch_no if in_epoch else self.epoch_no + 1,
-            "in_epoch": in_epoch,
-            "yielded": self._consumed if in_epoch else 0,
+    def resume_state(self, behind: int = 0) -> dict[str, Any]:
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as
+        of ``behind`` batches ago: those a consumer took and has not handed out yet (a
+        ``DevicePrefetcher``), which a resumed loader fetches again, from the global RNGs as
+        they were before the first of them (``main_rng``). (An ended epoch with none behind is
+        recorded by the loader.)"""
+        body: dict[str, Any] = {}
+        if behind:
+            log = self._rngs_before
+            if log is None or len(log) < behind:
+                raise RuntimeError(
+                    f"cannot save the DataLoader's state {behind} batches behind the iterator "
+                    "(the batches a DevicePrefetcher holds ahead of you): their RNG states were "
+                    "not kept; make the DevicePrefetcher before the loader's iter()"
+                )
+            body["main_rng"] = log[-behind]
+        return body | {
+            "epoch": self.epoch_no,
+            "in_epoch": True,
+            "yielded": self._consumed - behind,
             "yielded_extra": [],
-            "base_seed": int(self._base_seed) if in_epoch else None,
-            "epoch_start": self.epoch_start.as_dict() if in_epoch else None,
+            "base_seed": int(self._base_seed),
+            "epoch_start": self.epoch_start.as_dict(),
             "workers": [],
-            "replicas": self._replicas() if in_epoch else None,  # (ended: the loader records)
+            "replicas": self._replicas(behind),
         }
 
-    def _replicas(self) -> dict[str, Any] | None:
+    def rewindable(self, batches: int) -> None:
+        """Keep the global RNGs before each fetch (at least the last ``batches``)."""
+        self._rngs_before = deque(self._rngs_before or (), maxlen=max(64, 2 * batches))
+
+    def _replicas(self, behind: int) -> dict[str, Any] | None:
         if self._dataset_kind != ITERABLE_KIND:
             return None
-        entry: dict[str, Any] = {"batches": self._consumed}
+        entry: dict[str, Any] = {"batches": self._consumed - behind}
         if is_stateful(self._dataset):
+            if behind:
+                raise RuntimeError(
+                    f"cannot save the DataLoader's state: a DevicePrefetcher holds {behind} "
+                    "batches taken ahead of you, and with num_workers=0 the dataset's "
+                    "state_dict() is already past them; use num_workers > 0 (each batch's "
+                    "replica state is kept until it is consumed) or save between epochs"
+                )
             # A copy: the dataset may go on changing the dict it returned (the worker path
             # pickles it at once).
             entry["state"] = copy.deepcopy(self._dataset.state_dict())  # type: ignore[attr-defined]

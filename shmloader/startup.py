@@ -46,7 +46,10 @@ def start_workers(
     until the workers are gone (:func:`shmloader.afterfork.keep_lent`)."""
     nw: int = it._num_workers
     # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
-    rng_ring = RngRing.create(nw, (loader.prefetch_factor or 2) + 4, Backend.MEMFD)
+    # Deep enough for the snapshot a state needs: after the last consumed task, with up to
+    # prefetch_factor tasks answered past it, and the batches a DevicePrefetcher holds unseen.
+    holds = getattr(loader, "_consumer_holds", 1)
+    rng_ring = RngRing.create(nw, (loader.prefetch_factor or 2) + 3 + holds, Backend.MEMFD)
     on_death(it, rng_ring.close)
     host.rng_rings.add(rng_ring)  # counted by stats() while it lives
     resumed = plan is not None and plan["base_seed"] is not None

@@ -27,10 +27,12 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from shmloader import DataLoader
+from shmloader import DataLoader, DevicePrefetcher
+from shmloader.prefetch import map_tensors
 from tests.resume_items import (
     TIMEOUT,
     Item,
+    batch_bytes,
     drain,
     own_rngs,
     resumed_run,
@@ -340,7 +342,7 @@ def test_a_state_past_the_epochs_end_is_refused_at_load(key: str) -> None:
     StopIteration, for good."""
     sd = _state_of(DataLoader(Augment(), batch_size=4, in_order=False))
     bad = {**sd, key: 1000 if key == "yielded" else [1000]}
-    with pytest.raises(ValueError, match="corrupted DataLoader state.*epoch of 6 batches"):
+    with pytest.raises(ValueError, match=r"corrupted DataLoader state.*epoch of 6 batches"):
         DataLoader(Augment(), batch_size=4, in_order=False).load_state_dict(bad)
 
 
@@ -366,7 +368,7 @@ def test_a_sampler_shorter_than_the_state_is_refused_at_iter_once(workers: int) 
     sd = _state_of(make(20), k=3)
     short = make(4)
     short.load_state_dict(sd)
-    with pytest.raises(ValueError, match="saved after 3 batches.*sampler ends after 2"):
+    with pytest.raises(ValueError, match=r"saved after 3 batches.*sampler ends after 2"):
         iter(short)
     assert [b[:, 0].tolist() for b in short] == [[0.0, 1.0], [2.0, 3.0]]
 
@@ -388,7 +390,7 @@ def test_a_loader_whose_worker_died_takes_the_last_good_state() -> None:
     drain(it, expected)
     drain(iter(loader), expected)
     it = iter(loader)
-    next(it)
+    # Before any next(): worker 0 owes task 4 at the latest (tasks 0-3 were sent by iter()).
     os.kill(it._workers[0].pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="killed by signal"):
         for _ in range(N):
@@ -401,3 +403,114 @@ def test_a_loader_whose_worker_died_takes_the_last_good_state() -> None:
     drain(iter(loader), got)
     drain(iter(loader), got)
     assert got == expected
+
+
+# -- batches a DevicePrefetcher holds ahead of the user ------------------------------------------
+
+
+class _DoneEvent:
+    """A copy that has completed at once."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CloningEngine:
+    """A stand-in for the CUDA copy engine: the "device" batch is a clone, complete at once."""
+
+    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
+        return map_tensors(batch, torch.clone), _DoneEvent()
+
+    def hand_over(self, device_batch: Any, event: Any) -> None:
+        pass
+
+
+class CountedStream(IterableDataset):  # type: ignore[type-arg]
+    """Stateful replicas of a shard, drawing from torch per item."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self._start = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        wid, nw = _worker()
+        shard = [i for i in range(N) if i % nw == wid]
+        self.pos, self._start = self._start, 0
+        while self.pos < len(shard):
+            self.pos += 1
+            yield torch.tensor([float(shard[self.pos - 1]), torch.rand(()).item()])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self._start = sd["pos"]
+
+
+PREFETCHED: dict[str, Callable[[], DataLoader[Any]]] = {
+    "0 workers": lambda: DataLoader(Augment(), batch_size=2, shuffle=True),
+    "2 workers": lambda: DataLoader(Augment(), batch_size=2, shuffle=True, num_workers=2,
+                                    timeout=TIMEOUT),
+    "persistent": lambda: DataLoader(Augment(), batch_size=2, shuffle=True, num_workers=2,
+                                     persistent_workers=True, timeout=TIMEOUT),
+    "in_order=False": lambda: DataLoader(Augment(), batch_size=2, shuffle=True, num_workers=2,
+                                         in_order=False, timeout=TIMEOUT),
+    "stateful stream": lambda: DataLoader(CountedStream(), batch_size=2, num_workers=2,
+                                          timeout=TIMEOUT),
+    "stream, no state": lambda: DataLoader(ShuffledShards(), batch_size=2, num_workers=2,
+                                           persistent_workers=True, timeout=TIMEOUT),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("case", list(PREFETCHED))
+def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
+    case: str, depth: int
+) -> None:
+    """F6: the loader counted the batches the DevicePrefetcher took ahead as consumed, so a
+    state saved after the user's k-th batch resumed past the ones it had not seen. Saved in
+    epoch 1 at its 3rd batch, and in the epoch's last batches (the loader already at its end)."""
+    make = PREFETCHED[case]
+    per_epoch = N // 2
+    for save_after in (per_epoch + 3, 2 * per_epoch - 1):
+        seed_all(0)
+        loader = make()
+        seen: list[bytes] = []
+        state: dict[str, Any] | None = None
+        for _ in range(3):
+            for batch in DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()):
+                seen.append(batch_bytes(batch))
+                if len(seen) == save_after:
+                    state = roundtrip(loader.state_dict())
+        assert state is not None and len(seen) == 3 * per_epoch
+        seed_all(12345)
+        resumed = make()
+        resumed.load_state_dict(state)
+        got = [
+            batch_bytes(b)
+            for _ in range(state["epoch"], 3)
+            for b in DevicePrefetcher(resumed, "cuda", depth=depth, engine=CloningEngine())
+        ]
+        if case == "in_order=False":  # which batch comes when, and from which worker's random
+            # stream, is timing's (README): each batch of sample indices comes once
+            assert sorted(map(_indices, got)) == sorted(map(_indices, seen[save_after:]))
+        else:
+            assert got == seen[save_after:], f"saved after {save_after}"
+
+
+def _indices(key: bytes) -> list[float]:
+    """The sample indices of an ``Augment`` batch of 2 from its ``batch_bytes``."""
+    rows = np.frombuffer(key[-64:], dtype=np.float64).reshape(2, 4)
+    return rows[:, 0].tolist()
+
+
+def test_a_stateful_dataset_without_workers_behind_a_device_prefetcher_says_why() -> None:
+    """With num_workers=0 the dataset's own state is already past the batches held unseen."""
+    loader = DataLoader(CountedStream(), batch_size=2)
+    batches = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+    next(batches)
+    with pytest.raises(RuntimeError, match=r"DevicePrefetcher holds 2 batches.*num_workers=0"):
+        loader.state_dict()
