@@ -11,17 +11,27 @@ Invariants:
   ``depth`` batches have been issued and the batch after those is already taken from the loader
   (not yet copied): taking it happens while the last copy runs, so the loader's CPU time overlaps
   the DMA. So ``depth + 2`` host batches (the one handed out, ``depth`` copying, one taken) are
-  held at once, plus those whose copy has not yet completed. A shmloader ``DataLoader`` is told
-  so (``_consumer_will_hold``) and gives its new slabs a slot for each, so its workers do not
-  wait for slots held here.
+  held at once, plus at most one more whose copy has not yet completed (an older one is waited
+  for, so a device that falls behind cannot make this hold the loader's memory unbounded). A
+  shmloader ``DataLoader`` is told so (``_consumer_will_hold``) and gives its new slabs a slot
+  for each, so its workers do not wait for slots held here; it is also told, at each hand-over,
+  how many of its batches are held here unseen (``_batches_ahead``), which its ``state_dict()``
+  counts as not consumed.
+- An error the loader raises reaches the user at that batch's turn, after the batches before it,
+  and iteration may go on past it, as with the loader (the iteration is an iterator object, not a
+  generator that an exception would end).
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
-  under an in-flight DMA (FFCV and SPDL do the same). When the device batch shares nothing with
-  it (every leaf a tensor that was copied), a shmloader ``DataLoader`` then gets its slots back
-  at once (``_copies_done``), without the wait on the current stream that the copy fence
-  (:mod:`shmloader.fence`) applies to batches whose copies it cannot see.
+  under an in-flight DMA (FFCV and SPDL do the same). When the device batch provably shares
+  nothing with it (built of plain containers, atoms and tensors, none of them the host's), a
+  shmloader ``DataLoader`` then gets its slots back at once (``_copies_done``), without the
+  wait on the current stream that the copy fence (:mod:`shmloader.fence`) applies to batches
+  whose copies it cannot see; anything else (an object, a NumPy array, a set) may still view the
+  slot in the user's hands, so its batch stays under the fence.
 - Device tensors handed out are marked as used by the consumer stream (``record_stream``), so the
   caching allocator does not reuse their memory while the consumer still reads them.
+- Batches are walked as torch's ``pin_memory`` walks them (:func:`map_tensors`); a custom batch
+  class is handed out as it is, its tensors not copied.
 - The CUDA calls sit behind :class:`CopyEngine`; tests pass a fake that records calls.
 - On a ``cpu`` device it is a pass-through (the loader's batches, unchanged); a ``cuda`` device on
   a machine without CUDA is an error at construction, not at the first batch.
@@ -29,15 +39,20 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+import copy
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import (
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+)
 from typing import Any, Protocol
 
 import torch
-
-from shmloader.lease import leaves_in
-
-_END = object()  # the loader is exhausted
 
 
 class Event(Protocol):
@@ -57,15 +72,39 @@ class CopyEngine(Protocol):
 
 
 def map_tensors(batch: Any, fn: Any) -> Any:
-    """``batch`` with ``fn`` applied to every tensor, structure kept (as torch's pin_memory)."""
+    """``batch`` with ``fn`` applied to every tensor, structure kept, walked as torch's
+    ``pin_memory`` walks a batch: mappings (a mutable one copied with ``copy.copy`` and
+    updated, so a ``defaultdict`` or a ``UserDict`` keeps its kind), named tuples, tuples and
+    sequences; strings and any other object are left as they are."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        return type(batch)({k: map_tensors(v, fn) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+    if isinstance(batch, str | bytes):
+        return batch
+    if isinstance(batch, Mapping):
+        items = {k: map_tensors(v, fn) for k, v in batch.items()}
+        try:
+            if isinstance(batch, MutableMapping):
+                clone = copy.copy(batch)
+                clone.update(items)
+                return clone
+            return type(batch)(items)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be rebuilt so: a plain dict, as torch
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
         return type(batch)(*(map_tensors(v, fn) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(map_tensors(v, fn) for v in batch)
+    if isinstance(batch, tuple):
+        return tuple(map_tensors(v, fn) for v in batch)
+    if isinstance(batch, Sequence):
+        values = [map_tensors(v, fn) for v in batch]
+        try:
+            if isinstance(batch, MutableSequence):
+                seq = copy.copy(batch)
+                for i, v in enumerate(values):
+                    seq[i] = v
+                return seq
+            return type(batch)(values)  # type: ignore[call-arg]
+        except TypeError:
+            return values
     return batch
 
 
@@ -125,66 +164,148 @@ class DevicePrefetcher:
 
     def __iter__(self) -> Iterator[Any]:
         if self._passthrough:
-            yield from self.loader
-            return
-        engine = self._engine or CudaCopyEngine(self.device)
-        will_hold = getattr(self.loader, "_consumer_will_hold", None)
-        if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
-            will_hold(self.depth + 2)
-        done = getattr(self.loader, "_copies_done", None)  # a shmloader DataLoader's
-        tell_ahead = getattr(self.loader, "_batches_ahead", None)  # a shmloader DataLoader's
-        source = iter(self.loader)
-        in_flight: deque[tuple[Any, Any, Event]] = deque()  # (host, device, event)
-        retiring: deque[tuple[Any, Event]] = deque()  # host batches whose copy may still run
-        try:
-            ahead = next(source, _END)
-            while ahead is not _END:
-                in_flight.append((ahead, *engine.copy(ahead)))
-                # Take the next host batch from the loader now, while the copy just issued runs
-                # on the side stream: the loader's CPU time overlaps the DMA even when the
-                # consumer waits for the whole device (torch.cuda.synchronize()) every step.
-                ahead = next(source, _END)
-                if len(in_flight) > self.depth:
-                    batch = self._hand_over(engine, in_flight, retiring, done)
-                    if tell_ahead is not None:  # taken, not yet handed out: not consumed
-                        tell_ahead(len(in_flight) + (ahead is not _END))
-                    yield batch
-            while in_flight:
-                batch = self._hand_over(engine, in_flight, retiring, done)
-                if tell_ahead is not None:
-                    tell_ahead(len(in_flight))
-                yield batch
-        finally:
-            for _, event in retiring:
-                event.synchronize()
-            for _, _, event in in_flight:
-                event.synchronize()
-            retiring.clear()
-            in_flight.clear()
+            return iter(self.loader)
+        return _Prefetching(self, self._engine or CudaCopyEngine(self.device))
 
-    @staticmethod
-    def _hand_over(
-        engine: CopyEngine,
-        in_flight: deque[tuple[Any, Any, Event]],
-        retiring: deque[tuple[Any, Event]],
-        done: Callable[[Any], None] | None,
-    ) -> Any:
-        host, device_batch, event = in_flight.popleft()
-        engine.hand_over(device_batch, event)
-        retiring.append((host, event))
-        while retiring and retiring[0][1].query():
-            host = retiring.popleft()[0]  # that copy is done: the host batch (and its slot) may go
-            if done is not None and _copied_whole(host):
-                done(host)
+
+_NONE = object()  # no batch taken ahead
+
+
+class _LoaderError:
+    """An error the loader raised when a batch was taken: raised at that batch's turn."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _Prefetching:
+    """One pass of a :class:`DevicePrefetcher` over its loader. An iterator, not a generator:
+    an error the loader raises reaches the user at that batch's turn, after the batches before
+    it, and the user may go on past it, as with the loader itself."""
+
+    def __init__(self, owner: DevicePrefetcher, engine: CopyEngine) -> None:
+        loader = owner.loader
+        will_hold = getattr(loader, "_consumer_will_hold", None)
+        if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
+            will_hold(owner.depth + 2)
+        self.depth = owner.depth
+        self.engine = engine
+        self.done: Callable[[Any], None] | None = getattr(loader, "_copies_done", None)
+        self.tell_ahead: Callable[[int], None] | None = getattr(loader, "_batches_ahead", None)
+        self.source = iter(loader)
+        # In the loader's order: (host, device, event) of copies issued, or a loader error.
+        self.queue: deque[tuple[Any, Any, Event] | _LoaderError] = deque()
+        # Handed out, copy may still run: (host, event, whether the device batch shares nothing
+        # with the host batch)
+        self.retiring: deque[tuple[Any, Event, bool]] = deque()
+        self.ahead: Any = _NONE  # taken from the loader, not copied yet
+        self.ended = False
+
+    def __iter__(self) -> _Prefetching:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            # Hand out the oldest copy once ``depth`` more are issued behind it (and the next
+            # batch is taken), or once the loader has nothing more.
+            if self.queue and (len(self.queue) > self.depth or self.ended):
+                item = self.queue.popleft()
+                if isinstance(item, _LoaderError):
+                    self._tell()
+                    raise item.error
+                batch = self._hand_over(*item)
+                self._tell()
+                return batch
+            if self.ended:
+                self.close()
+                raise StopIteration
+            if self.ahead is not _NONE:
+                host, self.ahead = self.ahead, _NONE
+                self.queue.append((host, *self.engine.copy(host)))
+            # Take the next host batch from the loader now, while the copy just issued runs
+            # on the side stream: the loader's CPU time overlaps the DMA even when the consumer
+            # waits for the whole device (torch.cuda.synchronize()) every step.
+            try:
+                self.ahead = next(self.source)
+            except StopIteration:
+                self.ended = True
+            except Exception as e:  # noqa: BLE001 - the loader's error, raised in its turn
+                self.queue.append(_LoaderError(e))
+
+    def _tell(self) -> None:
+        """Tell a shmloader DataLoader how many of its batches are held here unseen."""
+        if self.tell_ahead is not None:
+            self.tell_ahead(len(self.queue) + (self.ahead is not _NONE))
+
+    def _hand_over(self, host: Any, device_batch: Any, event: Event) -> Any:
+        self.engine.hand_over(device_batch, event)
+        self.retiring.append((host, event, _copied_whole(host, device_batch)))
+        while self.retiring and self.retiring[0][1].query():
+            self._retire()
+        # Host batches kept for copies not done: the one handed out now, and at most one
+        # before it (its copy was issued depth + 1 batches ago): wait for older ones, so
+        # that a device that falls behind cannot make this hold the loader's memory unbounded.
+        while len(self.retiring) > 2:
+            self.retiring[0][1].synchronize()
+            self._retire()
         return device_batch
 
+    def _retire(self) -> None:
+        host, _, whole = self.retiring.popleft()  # copy done: the host batch (its slot) may go
+        if self.done is not None and whole:
+            self.done(host)
 
-def _copied_whole(batch: Any) -> bool:
-    """Whether the device copy of ``batch`` shares nothing with it: every tensor and array in it
-    is a tensor that :func:`map_tensors` copies. A NumPy leaf, or a tensor inside an object it
-    does not walk (a custom batch class), reaches the user as it is, still a view of the slot."""
-    copied: list[int] = []
-    map_tensors(batch, lambda t: copied.append(id(t)))
-    leaves = leaves_in(batch)
-    return len(leaves) == len(copied) and {id(x) for x in leaves} == set(copied)
+    def close(self) -> None:
+        """Wait for every copy issued, then let go of the host batches (their slots may then
+        be reused: no copy still reads them)."""
+        for _, event, _ in self.retiring:
+            event.synchronize()
+        for item in self.queue:
+            if not isinstance(item, _LoaderError):
+                item[2].synchronize()
+        self.retiring.clear()
+        self.queue.clear()
+        self.ahead = _NONE
 
+    def __del__(self) -> None:
+        self.close()
+
+
+def _copied_whole(host: Any, device_batch: Any) -> bool:
+    """Whether the device copy of ``host`` can share nothing with it: it is built of plain
+    containers only (dict, list, tuple, named tuples), strings and numbers, and tensors none of
+    which is one of ``host``'s. Anything else (a NumPy array, an object, a set, a mapping or
+    sequence of another kind) may reach the user still viewing the slot, so it keeps the batch
+    under the copy fence, as a batch the user holds."""
+    host_leaves = _plain_leaves(host)
+    leaves = _plain_leaves(device_batch)
+    if host_leaves is None or leaves is None:
+        return False
+    host_tensors = {id(t) for t in host_leaves}
+    return not any(id(t) in host_tensors for t in leaves)
+
+
+_PLAIN = (dict, list, tuple)
+_ATOMS = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _plain_leaves(batch: Any) -> list[torch.Tensor] | None:
+    """The tensors of ``batch``, or None when it holds anything but plain containers, atoms and
+    tensors."""
+    out: list[torch.Tensor] = []
+    stack = [batch]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif type(x) in _ATOMS:
+            pass
+        elif type(x) in _PLAIN or (type(x) in (OrderedDict, defaultdict)):
+            stack.extend(x.values() if isinstance(x, dict) else x)
+            if isinstance(x, dict):
+                stack.extend(x.keys())
+        elif isinstance(x, tuple) and hasattr(x, "_fields") and not getattr(x, "__dict__", None):
+            stack.extend(x)
+        else:
+            return None
+    return out

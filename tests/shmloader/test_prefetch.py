@@ -87,7 +87,7 @@ def test_a_host_batch_lives_until_its_copy_event_completes():
     it = iter(DevicePrefetcher(source(), depth=1, engine=engine))
     next(it)  # batch 0 handed over; its copy has not completed
     gc.collect()
-    refs = [weakref.ref(h) for h, _ in _retiring(it)]
+    refs = [weakref.ref(h) for h, _, _ in it.retiring]
     assert len(refs) == 1 and refs[0]() is not None
     engine.events[0].done = True
     next(it)  # the next hand-over retires batch 0, whose event has completed
@@ -136,11 +136,6 @@ def test_prefetched_batches_arrive_on_the_gpu_equal_to_the_host_batches():
         assert torch.equal(y.cpu(), torch.arange(8 * i, 8 * i + 8))
 
 
-def _retiring(gen):
-    # The generator's local 'retiring' deque: (host batch, event) pairs not yet released.
-    return gen.gi_frame.f_locals["retiring"]
-
-
 def test_a_prefetcher_gives_the_loaders_slabs_a_slot_for_each_batch_it_holds():
     # depth 1 holds 3 host batches (handed out, copying, taken); with only the default
     # prefetch_factor * num_workers + 1 slots the workers would wait for them.
@@ -156,3 +151,119 @@ def test_a_prefetcher_gives_the_loaders_slabs_a_slot_for_each_batch_it_holds():
                                     arena_slots_per_slab=2)
     list(DevicePrefetcher(explicit, depth=1, engine=FakeEngine()))
     assert explicit._host.arena.slots_per_slab == 2  # the user's setting is kept
+
+
+# -- review 17: what the prefetcher hands out, and what it keeps -------------------------------
+
+
+class Done(FakeEngine):
+    """Copies that have completed as soon as they are issued (a fast device)."""
+
+    def copy(self, batch):
+        out, ev = super().copy(batch)
+        ev.done = True
+        return out, ev
+
+
+class Rows(torch.utils.data.Dataset):
+    """Sample ``i``: four copies of ``i``; sample 13 raises when ``bad`` is set."""
+
+    def __init__(self, n=64, bad=False):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.bad and i == 13:
+            raise ValueError(f"bad sample {i}")
+        return torch.full((4,), float(i))
+
+
+class Slotted:
+    __slots__ = ("boxes",)
+
+    def __init__(self, boxes):
+        self.boxes = boxes
+
+
+class Target:
+    def __init__(self, boxes):
+        self.boxes = boxes
+
+
+# Each collate hands out one tensor that the device copy does not replace: still a view of the
+# slot, reachable only through something the prefetcher's walk does not enter.
+KEEPS = {
+    "__slots__ object": (lambda b: {"x": b, "o": Slotted(b[:, 0].clone())}, lambda d: d["o"].boxes),
+    "deque": (lambda b: {"x": b, "o": __import__("collections").deque([b[:, 0]])},
+              lambda d: d["o"][0]),
+    "frozenset": (lambda b: {"x": b, "o": frozenset([b[:, 0]])}, lambda d: next(iter(d["o"]))),
+    "a tensor also in an object": (lambda b: {"x": b, "t": Target(b)}, lambda d: d["t"].boxes),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(KEEPS))
+def test_a_slot_view_the_device_copy_leaves_behind_is_never_overwritten(case):
+    """Review 17 F1: the prefetcher gave a batch's slots back once its copy completed when its
+    walk found every tensor it knew of copied; a tensor behind a ``__slots__`` object, a deque, a
+    frozenset, or shared with an object, reached the user still viewing the slot, and later
+    batches overwrote it (9 of 16)."""
+    make, pick = KEEPS[case]
+
+    def collate(samples):
+        return make(torch.stack(samples))
+
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, collate_fn=collate)
+    kept = [pick(d) for d in DevicePrefetcher(loader, "cpu", depth=1, engine=Done())]
+    assert [k[:, 0].tolist() if k.dim() == 2 else k.tolist() for k in kept] == [
+        [4.0 * i + j for j in range(4)] for i in range(16)
+    ]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("loader_kind", ["shmloader", "torch"])
+def test_a_loader_error_comes_at_its_turn_and_iteration_goes_on(depth, loader_kind):
+    """Review 17 F4: an error taking a batch ended the prefetcher's generator: the batches
+    already copied were lost and the error came early ([0, ValueError] at depth 1)."""
+    kind = shmloader.DataLoader if loader_kind == "shmloader" else torch.utils.data.DataLoader
+    loader = kind(Rows(32, bad=True), batch_size=4, num_workers=2)
+    it = iter(DevicePrefetcher(loader, "cpu", depth=depth, engine=Done()))
+    got = []
+    while True:
+        try:
+            got.append(int(next(it)[0, 0]) // 4)
+        except StopIteration:
+            break
+        except ValueError:
+            got.append("ValueError")
+    assert got == [0, 1, 2, "ValueError", 4, 5, 6, 7]
+
+
+def test_mappings_and_sequences_keep_their_kind_and_are_copied():
+    """Review 17 F6 and F10: a defaultdict batch raised TypeError; a UserDict's tensors were not
+    copied (the shape of Hugging Face's BatchEncoding)."""
+    from collections import UserDict, defaultdict
+
+    d = defaultdict(list, {"x": torch.zeros(2)})
+    u = UserDict({"x": torch.zeros(2)})
+    out = map_tensors([d, u, (torch.zeros(1),)], lambda t: t + 1)
+    assert type(out[0]) is defaultdict and out[0].default_factory is list
+    assert type(out[1]) is UserDict and torch.equal(out[1]["x"], torch.ones(2))
+    assert torch.equal(out[0]["x"], torch.ones(2)) and torch.equal(out[2][0], torch.ones(1))
+    assert torch.equal(u["x"], torch.zeros(2))  # the host batch is left as it was
+
+
+def test_host_batches_held_for_slow_copies_stay_bounded():
+    """Review 17 F9: copies that had not completed kept every host batch alive (15 at a 16 MiB
+    cap with 1 MiB batches, and the cap error blamed the user); now at most the one handed out
+    and one before it wait for their copies, older ones are waited for."""
+    engine = FakeEngine()  # its events complete only when synchronized
+    it = iter(DevicePrefetcher([Host([torch.tensor([i])]) for i in range(12)], depth=1,
+                               engine=engine))  # fmt: skip
+    for i in range(12):
+        assert next(it)[0].item() == i
+        assert len(it.retiring) <= 2
+    synced = sorted(n for kind, n in engine.log if kind == "sync")
+    assert synced == list(range(10))  # each but the last two, once two are waiting
+    list(it)
