@@ -13,6 +13,7 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data._utils.collate import (
     collate,
+    collate_int_fn,
     collate_tensor_fn,
     default_collate_fn_map,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "_BaseDataLoaderIter",
     "_sharding_worker_init_fn",
     "collate",
+    "collate_int_fn",
     "collate_tensor_fn",
     "create_fetcher",
     "numpy_seed",

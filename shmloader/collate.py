@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -38,6 +39,7 @@ from arena import SlotWriter
 from shmloader import stacking
 from shmloader._torch_compat import (
     collate,
+    collate_int_fn,
     collate_tensor_fn,
     default_collate_fn_map,
     torch_function_mode_active,
@@ -91,6 +93,7 @@ class SlotSession:
         self.base = 0 if view is None else view.base
         self.overflowed = False
         self.planned = False
+        self.may_plan = True  # False: a batch that does not fit goes to private memory
         self.placeholders: set[int] = set()  # ids of the meta tensors planning handed out
         self._lock = threading.Lock()
 
@@ -111,7 +114,7 @@ class SlotSession:
         if nbytes == 0 or dtype not in CODE_OF:
             return torch.empty(tuple(shape), dtype=dtype)
         self.overflowed = True
-        if plan:
+        if plan and self.may_plan:
             self.planned = True
             out = torch.empty(tuple(shape), dtype=dtype, device="meta")
             self.placeholders.add(id(out))  # a meta tensor of the user's own is a plain object
@@ -284,11 +287,49 @@ def _collate_ints(
     return out
 
 
-SLOT_COLLATE_FN_MAP: dict[Any, Any] = {
-    **default_collate_fn_map,
-    torch.Tensor: _collate_tensor_in_slot,
-    int: _collate_ints,
-}
+# torch's entries that slot versions replace, while they are torch's own: an entry the user
+# registered (torch documents default_collate_fn_map as the way to extend default_collate) wins.
+_SLOT_VERSIONS: Final = (
+    (torch.Tensor, collate_tensor_fn, _collate_tensor_in_slot),
+    (int, collate_int_fn, _collate_ints),
+)
+_map_of: tuple[tuple[Any, Any], ...] = ()  # default_collate_fn_map's items the map was made of
+_slot_map: dict[Any, Any] = {}
+
+
+def slot_collate_fn_map() -> dict[Any, Any]:
+    """``default_collate_fn_map`` as it is now, torch's tensor and int entries replaced by ones
+    that collate into the slot (made again only when the map changed)."""
+    global _map_of, _slot_map
+    items = tuple(default_collate_fn_map.items())
+    if items != _map_of:
+        fresh = dict(items)
+        for typ, torchs, ours in _SLOT_VERSIONS:
+            if fresh.get(typ) is torchs:
+                fresh[typ] = ours
+        _map_of, _slot_map = items, fresh
+    return _slot_map
+
+
+_COPIED_APART: Final = frozenset({dict, OrderedDict, defaultdict, list})
+
+
+def _collate_may_change(elem: Any) -> bool:
+    """Whether torch's collate, which fills a ``copy.copy`` of a batch's first sample (at every
+    level) for a mutable mapping or sequence, may change that sample itself: true for any such
+    container but ``dict``, ``OrderedDict``, ``defaultdict`` and ``list``, whose copies share
+    nothing (a custom mapping's copy may share its inner dict, and be filled through it)."""
+    stack = [elem]
+    while stack:
+        x = stack.pop()
+        kind = type(x)
+        if kind in _COPIED_APART:
+            stack.extend(x.values() if isinstance(x, dict) else x)
+        elif kind is tuple or (isinstance(x, tuple) and hasattr(x, "_fields")):
+            stack.extend(x)
+        elif isinstance(x, MutableMapping | MutableSequence) and not isinstance(x, bytearray):
+            return True
+    return False
 
 
 def _alloc_in_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -303,4 +344,13 @@ def slot_default_collate(batch: Any) -> Any:
         out = batch.collate_into(_alloc_in_slot)
         if out is not NotImplemented:
             return out
-    return collate(batch, collate_fn_map=SLOT_COLLATE_FN_MAP)
+    if (
+        _session is not None
+        and isinstance(batch, list | tuple)
+        and batch
+        and _collate_may_change(batch[0])
+    ):
+        # Planning collates the samples twice, and the first pass would have left its
+        # placeholders in them: this batch goes to private memory when it does not fit.
+        _session.may_plan = False
+    return collate(batch, collate_fn_map=slot_collate_fn_map())

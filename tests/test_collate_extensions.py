@@ -1,0 +1,148 @@
+"""The default collate as users extend and feed it, against torch's with the same workers:
+types registered in ``default_collate_fn_map`` (torch's documented extension point), before or
+after shmloader is imported, and samples that torch's collate changes as it copies them
+(review 17)."""
+
+from __future__ import annotations
+
+import collections.abc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+import shmloader
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def registry() -> Iterator[dict[Any, Any]]:
+    """torch's default_collate_fn_map, as it was again after the test."""
+    saved = dict(default_collate_fn_map)
+    try:
+        yield default_collate_fn_map
+    finally:
+        default_collate_fn_map.clear()
+        default_collate_fn_map.update(saved)
+
+
+def _both(dataset: Dataset[Any], **kw: Any) -> tuple[list[Any], list[Any]]:
+    """Every batch from torch's loader and from shmloader's, 2 workers each."""
+    out = []
+    for kind in (torch.utils.data.DataLoader, shmloader.DataLoader):
+        loader = kind(dataset, num_workers=2, timeout=TIMEOUT, **kw)
+        out.append(list(loader))
+    return out[0], out[1]
+
+
+class Point:
+    def __init__(self, x: float) -> None:
+        self.x = x
+
+
+def collate_points(batch: list[Point], *, collate_fn_map: Any = None) -> torch.Tensor:
+    return torch.tensor([p.x for p in batch]) * 10
+
+
+class Points(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[Point, torch.Tensor]:
+        return Point(float(i)), torch.ones(i % 3 + 1)
+
+
+def pad(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    n = max(t.shape[0] for t in batch)
+    return torch.stack([torch.nn.functional.pad(t, (0, n - t.shape[0])) for t in batch])
+
+
+def int32(batch: list[int], *, collate_fn_map: Any = None) -> torch.Tensor:
+    return torch.tensor(batch, dtype=torch.int32)
+
+
+class Ragged(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.ones(i + 1), i
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, collections.abc.Mapping):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def test_a_type_registered_after_import_is_collated_as_torch_does(
+    registry: dict[Any, Any],
+) -> None:
+    """Review 17 F3: the workers' map was a copy taken when shmloader was imported: a type
+    registered later failed ("default_collate: batch must contain tensors, ... found Point")."""
+    registry[Point] = collate_points
+    registry[torch.Tensor] = pad  # these samples are ragged
+    theirs, ours = _both(Points(), batch_size=4)
+    assert _same(theirs, ours) and theirs[0][0].tolist() == [0.0, 10.0, 20.0, 30.0]
+
+
+def test_the_tensor_and_int_entries_a_user_registers_win(registry: dict[Any, Any]) -> None:
+    """Review 17 F3: the slot versions of the tensor and int entries replaced the user's (torch's
+    own docstring example registers a tensor collate), so ragged samples failed to stack and int
+    labels came out int64."""
+    registry[torch.Tensor] = pad
+    registry[int] = int32
+    theirs, ours = _both(Ragged(), batch_size=4)
+    assert _same(theirs, ours)
+    assert ours[0][0].shape == (4, 4) and ours[0][1].dtype == torch.int32
+
+
+class Wrapped(collections.abc.MutableMapping):  # type: ignore[type-arg]
+    """A mapping around an inner dict: ``copy.copy`` shares that dict (as for any plain class),
+    so torch's collate, filling a copy of the first sample, fills that sample too."""
+
+    def __init__(self, **kw: Any) -> None:
+        self._d = dict(kw)
+
+    def __getitem__(self, k: str) -> Any:
+        return self._d[k]
+
+    def __setitem__(self, k: str, v: Any) -> None:
+        self._d[k] = v
+
+    def __delitem__(self, k: str) -> None:
+        del self._d[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class WrappedSamples(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Wrapped:
+        return Wrapped(x=torch.full((3,), float(i)), y=i)
+
+
+@pytest.mark.parametrize("batch_size", [4, 1])
+def test_samples_that_torchs_collate_changes_are_collated_once(batch_size: int) -> None:
+    """Review 17 F2: a batch that did not fit its slot was collated twice, the second time over
+    samples the first pass had filled with placeholders: "stack expects each tensor to be equal
+    size" (4), "Cannot copy out of meta tensor" (1)."""
+    theirs, ours = _both(WrappedSamples(), batch_size=batch_size)
+    assert len(ours) == 16 // batch_size
+    for a, b in zip(theirs, ours, strict=True):
+        assert type(a) is type(b) is Wrapped
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
