@@ -64,6 +64,7 @@ class ArenaHost:
         predecessors: Iterable[Retired] = (),
     ) -> None:
         self.pid = os.getpid()
+        self.pin_setting = (pin, pin_device)  # as the iterator that made it asked
         self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
         self.pinner = Pinner(pin, pin_device)
         # Page-locked slabs keep their pages: the GPU's copies may read any of them.

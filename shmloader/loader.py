@@ -179,10 +179,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _host_for(self, pin: bool, pin_device: str | None) -> ArenaHost:
         """This loader's arena in this process: made on first use, and made anew in a process
-        other than the one that made it (a fork of the main process), never shared, or once an
-        interruption may have left it half-changed (``retired``)."""
+        other than the one that made it (a fork of the main process), never shared, once an
+        interruption may have left it half-changed (``retired``), or when the iterator asks for
+        other pinning than it was made with (``pin_memory`` changed between iterators)."""
         self._finish_cut_short()
         old = self._host
+        if old is not None and old.here and old.pin_setting != (pin, pin_device):
+            # pin_memory (or its device) changed since: torch's next iterator reads it anew. The
+            # old arena is let go as a retired one is: its batches stay valid and counted.
+            old.retired = True
         if old is None or not old.here or old.retired:
             opts = self.arena_options
             old = self._host = ArenaHost(

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from arena import Slab, userwarn
-from shmloader._torch_compat import pin_memory
+from shmloader._torch_compat import pin_memory, wrap_current_exception
 
 # cudaHostRegisterDefault; a slab is registered in chunks of at most this many bytes, since some
 # drivers reject very large single registrations.
@@ -48,6 +48,14 @@ class CudaRegistrar:
 
     def unregister(self, ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+
+
+def _device_index() -> int:
+    """The current accelerator's index, which torch's pin thread names in its errors."""
+    try:
+        return int(torch.accelerator.current_device_index())
+    except Exception:  # noqa: BLE001 - no accelerator: torch would not pin at all
+        return 0
 
 
 def _base_address(slab: Slab) -> int:
@@ -115,7 +123,12 @@ class Pinner:
         registration) is copied into pinned memory, as torch does."""
         if not self.enabled:
             return batch
-        return pin_memory(batch, self.device)
+        try:
+            return pin_memory(batch, self.device)
+        except Exception:  # a custom pin_memory() raised: torch's pin thread wraps it so
+            wrapped = wrap_current_exception(f"in pin memory thread for device {_device_index()}")
+            wrapped.reraise()  # type: ignore[no-untyped-call]
+            raise
 
     def close(self) -> None:
         """Unregister every chunk. Idempotent."""

@@ -55,10 +55,12 @@ class LoaderStats:
     - ``bytes_rng_rings``: shared memory (memfd) of the RNG snapshot rings of the loader's live
       multi-worker iterators, where workers publish their generators' states for
       ``state_dict()`` (:mod:`shmloader.rngstate`): ``num_workers * (prefetch_factor + 4)``
-      entries of 12 KiB each per iterator; outside the arena and its cap.
+      entries of 12 KiB each per iterator (more behind a ``DevicePrefetcher``); outside the
+      arena and its cap.
     - ``batches_retired``, ``bytes_retired``: batches you still hold from an arena the loader
-      retired after an interruption landed inside its books (:mod:`shmloader.interrupts`; the
-      next iterator got a fresh arena), and the shared memory retired arenas still hold: a
+      retired after an interruption landed inside its books, or when ``pin_memory`` changed
+      between iterators (:mod:`shmloader.interrupts`; the next iterator got a fresh arena),
+      and the shared memory retired arenas still hold: a
       whole arena, with its iterators' RNG rings, while an iterator of it lives (a saved
       traceback can keep one: ``sys.last_traceback`` in IPython), then only the slots of the
       batches you hold, gone as you drop them. Outside the current arena and its cap.

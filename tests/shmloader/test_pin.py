@@ -68,3 +68,56 @@ def test_views_of_a_registered_slab_are_pinned_on_a_real_gpu():
         assert x.is_pinned() and y.is_pinned()
         assert torch.equal(x.to("cuda", non_blocking=True).cpu(), x)
     assert loader.stats().pinned_bytes > 0
+
+
+class RefusesPinning:
+    """A custom batch whose ``pin_memory()`` raises."""
+
+    def pin_memory(self):
+        raise ValueError("custom pin failed")
+
+
+def test_a_custom_pin_memory_error_is_wrapped_as_torchs_pin_thread_wraps_it():
+    """Review 17 F8: the bare ValueError reached the user; torch's pin thread wraps it, so its
+    message names the thread and carries the original traceback."""
+    pinner = Pinner(True, "cuda", FakeRegistrar())
+    with pytest.raises(ValueError, match=r"Caught ValueError in pin memory thread for device 0\."):
+        pinner.pin(RefusesPinning())
+
+
+@pytest.fixture
+def accelerator(monkeypatch):
+    """Pinning as on a machine with CUDA: torch sees an accelerator, slabs go through a fake
+    registrar, batches pass through torch's pinning walk unchanged, copies are fake events."""
+    import shmloader.host
+    import shmloader.pin
+
+    from .fakes import FakeEvents
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device("cuda"))  # fmt: skip
+    monkeypatch.setattr(shmloader.pin, "CudaRegistrar", FakeRegistrar)
+    monkeypatch.setattr(shmloader.pin, "pin_memory", lambda batch, device: batch)
+    monkeypatch.setattr(shmloader.host, "cuda_events", lambda device: FakeEvents())
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["then pinned", "then not"])
+def test_pin_memory_changed_between_iterators_is_honoured(accelerator, first):
+    """Review 17 F7: the loader kept the arena, and so the pinning, of its first iterator; torch's
+    next iterator reads pin_memory anew. Batches held from before stay intact."""
+    import shmloader
+
+    from .fakes import Squares
+
+    loader = shmloader.DataLoader(Squares(16), batch_size=4, num_workers=2, pin_memory=first)
+    held = next(iter(loader))
+    old = loader._host
+    assert old.pinner.enabled is first
+    loader.pin_memory = not first
+    batch = next(iter(loader))
+    assert loader._host is not old and loader._host.pinner.enabled is (not first)
+    assert (loader._host.pinner.pinned_bytes > 0) is (not first)
+    assert old.retired and loader.stats().batches_retired == 1
+    assert held[1].tolist() == batch[1].tolist() == [0, 1, 2, 3]
+    assert torch.equal(held[0], batch[0]) and held[0][3].unique().tolist() == [3.0]
