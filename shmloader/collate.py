@@ -93,7 +93,11 @@ class SlotSession:
         self.base = 0 if view is None else view.base
         self.overflowed = False
         self.planned = False
-        self.may_plan = True  # False: a batch that does not fit goes to private memory
+        # A batch that does not fit is planned (collated with placeholders, then again into a
+        # slot that fits) unless collating may change its first sample (_collate_may_change):
+        # then it goes to private memory, collated once.
+        self.first_sample: Any = None
+        self.may_plan = True
         self.placeholders: set[int] = set()  # ids of the meta tensors planning handed out
         self._lock = threading.Lock()
 
@@ -114,6 +118,10 @@ class SlotSession:
         if nbytes == 0 or dtype not in CODE_OF:
             return torch.empty(tuple(shape), dtype=dtype)
         self.overflowed = True
+        if plan and self.may_plan and not self.planned:
+            # Looked at once, when planning would start (collating changes no container type,
+            # so what was collated so far does not hide one).
+            self.may_plan = self.first_sample is None or not _collate_may_change(self.first_sample)
         if plan and self.may_plan:
             self.planned = True
             out = torch.empty(tuple(shape), dtype=dtype, device="meta")
@@ -344,13 +352,6 @@ def slot_default_collate(batch: Any) -> Any:
         out = batch.collate_into(_alloc_in_slot)
         if out is not NotImplemented:
             return out
-    if (
-        _session is not None
-        and isinstance(batch, list | tuple)
-        and batch
-        and _collate_may_change(batch[0])
-    ):
-        # Planning collates the samples twice, and the first pass would have left its
-        # placeholders in them: this batch goes to private memory when it does not fit.
-        _session.may_plan = False
+    if _session is not None and isinstance(batch, list | tuple) and batch:
+        _session.first_sample = batch[0]  # looked at only if the batch must be planned
     return collate(batch, collate_fn_map=slot_collate_fn_map())
