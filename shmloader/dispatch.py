@@ -656,7 +656,7 @@ class Dispatch:
         iterator that used it told its own workers to attach it)."""
         self.host.pinner.unregister(slab_id)
         self.host.leases.forget_slab(slab_id)
-        for d in list(self.host.dispatches):
+        for d in self.host.dispatches.snapshot():
             if not d.lock.acquire(blocking=False):  # (this iterator's own: re-entered at once)
                 d.detach_later.add(slab_id)  # another thread is inside it: it detaches it later
                 continue
@@ -682,7 +682,7 @@ class Dispatch:
 
     def _others(self) -> list[Dispatch]:
         """The dispatchers of the host's other live iterators."""
-        return [d for d in list(self.host.dispatches) if d is not self and not d.sup.stopped]
+        return [d for d in self.host.dispatches.snapshot() if d is not self and not d.sup.stopped]
 
     def ready_tasks(self) -> list[TaskInfo[Answer]]:
         """Tasks whose batch is finished in a slot and not yet yielded."""

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from arena import Arena, Backend, userwarn
 from arena.finalizers import on_death
@@ -44,6 +45,29 @@ from shmloader.pin import Pinner
 from shmloader.rngstate import RngRing
 from shmloader.slotsize import SlotSize
 from shmloader.stats import LoaderStats
+
+T = TypeVar("T")
+
+
+class Members(Generic[T]):
+    """A weak set that other threads read while the iterating thread adds to it (stats() in a
+    logging thread as an iterator starts): a WeakSet read while another thread adds raises "Set
+    changed size during iteration". ``add`` and ``snapshot`` take one re-entrant lock (a signal
+    handler or ``__del__`` on the adding thread may read); members that die leave by
+    themselves, which a WeakSet already defers while it is read."""
+
+    def __init__(self) -> None:
+        self._set: weakref.WeakSet[T] = weakref.WeakSet()
+        self._lock = threading.RLock()
+
+    def add(self, item: T) -> None:
+        with self._lock:
+            self._set.add(item)
+
+    def snapshot(self) -> list[T]:
+        with self._lock:
+            return list(self._set)
+
 
 # A retired host, as its successor keeps it: a reader of the batches still held from it, and
 # the host itself, weakly (an iterator of it, or a traceback holding one, keeps it whole).
@@ -78,9 +102,9 @@ class ArenaHost:
         self.worker_pids: tuple[int, ...] = ()
         # The RNG snapshot rings of the iterators that borrow this host (each closes with its
         # iterator): reported in stats, as every byte the loader holds is.
-        self.rng_rings: weakref.WeakSet[RngRing] = weakref.WeakSet()
+        self.rng_rings: Members[RngRing] = Members()
         # The dispatchers (shmloader.dispatch.Dispatch) of the iterators borrowing this host.
-        self.dispatches: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.dispatches: Members[Any] = Members()
         # Their endings, kept until each has run to its end (shmloader.ending).
         self.endings: list[Ending] = []
         self.export = StatsExport.from_environment()  # None unless a profiler asked
@@ -117,7 +141,7 @@ class ArenaHost:
             arena = self.arena.stats()
             kept, kept_bytes = leases.kept, leases.kept_bytes
             spilled = leases.spilled()
-        rings = sum(r.nbytes for r in list(self.rng_rings))
+        rings = sum(r.nbytes for r in self.rng_rings.snapshot())
         retired = self.retired_held()
         return LoaderStats(
             arena, held, self.pinner.pinned_bytes, self.worker_pids,
@@ -142,7 +166,7 @@ class ArenaHost:
             n, b = count()
             host = host_ref()
             if host is not None and not host.arena.closed:
-                b = host.arena.bytes_reserved + sum(r.nbytes for r in list(host.rng_rings))
+                b = host.arena.bytes_reserved + sum(r.nbytes for r in host.rng_rings.snapshot())
             elif not n:
                 with contextlib.suppress(ValueError):
                     self.predecessors.remove(entry)
