@@ -91,6 +91,9 @@ class ShmDataLoaderIter(NextBatch):
         self.failure = None
         self._safe = False
         self._rewind_keep = 0  # rewindable()
+        # While a DevicePrefetcher holds batches unseen: the global RNGs before the sampler
+        # draw each consumed batch triggers (the state's main_rng, behind them).
+        self._rngs_before: deque[bytes] | None = None
         self._reset(loader, first_iter=True)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -145,9 +148,11 @@ class ShmDataLoaderIter(NextBatch):
             self._num_yielded = skip
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
+            self.ahead = 0
             if self._rewind_keep:  # a DevicePrefetcher's batches ahead: see rewindable()
                 self._at.log = deque(maxlen=self._rewind_keep)
                 self._progress.undo = deque(maxlen=self._rewind_keep)
+                self._rngs_before = deque(maxlen=self._rewind_keep)
             # Batches the user dropped since the last next() give their slots to the first
             # tasks: else those wait, decided and unsent, until the first next().
             self._leases.drain()
@@ -178,10 +183,17 @@ class ShmDataLoaderIter(NextBatch):
                 "base_seed": int(self._base_seed),
                 "epoch_start": None,
                 "workers": self._progress.rng_states(d.exhausted, d.epoch),
-                "replicas": self._progress.between_epochs_record(),
+                "replicas": None,
             }
         yielded, extra = self._at.record(d.in_order, behind)
         progress, back = self._progress.behind(behind)
+        rngs = self._rngs_before
+        if behind and (rngs is None or len(rngs) < behind):
+            raise RuntimeError(
+                f"cannot save the DataLoader's state {behind} batches behind the iterator (the "
+                "batches a DevicePrefetcher holds ahead of you): the RNG states before them "
+                "were not kept; make the DevicePrefetcher before the loader's first iter()"
+            )
         try:
             workers = progress.rng_states()
         except RuntimeError as e:
@@ -193,7 +205,7 @@ class ShmDataLoaderIter(NextBatch):
                 f"then are gone from their ring of {progress.ring.depth}; make the "
                 "DevicePrefetcher before the loader's first iter()"
             ) from e
-        return {
+        body: dict[str, Any] = {
             "epoch": self.epoch_no,
             "in_epoch": True,
             "yielded": yielded,
@@ -203,6 +215,9 @@ class ShmDataLoaderIter(NextBatch):
             "workers": workers,
             "replicas": progress.replica_record(*d.assignment(back)),
         }
+        if behind:  # the sampler's later draws start where they did before the first of them
+            body["main_rng"] = rngs[-behind]  # type: ignore[index]
+        return body
 
     def rewindable(self, batches: int) -> None:
         """Keep what the last consumed batches changed (at least ``batches``), so that
@@ -211,3 +226,9 @@ class ShmDataLoaderIter(NextBatch):
         self._rewind_keep = keep = max(64, 2 * batches)
         self._progress.undo = deque(self._progress.undo or (), maxlen=keep)
         self._at.log = deque(self._at.log or (), maxlen=keep)
+        self._rngs_before = deque(self._rngs_before or (), maxlen=keep)
+
+    def _batches_ahead(self, batches: int) -> None:
+        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen:
+        ``state_dict()`` counts them as not consumed."""
+        self.ahead = batches

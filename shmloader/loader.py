@@ -17,7 +17,6 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
@@ -77,7 +76,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
-        self._ahead = 0  # batches the live iterator yielded and a consumer holds unseen
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -127,14 +125,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         batches an uninterrupted run yields next. Small, picklable, ``torch.save``-able; see
         :mod:`shmloader.state` for its fields."""
         it = self._current()
-        ahead = self._ahead if it is not None else 0
+        ahead = it.ahead if it is not None else 0  # batches a DevicePrefetcher holds unseen
         if self._plan is not None:
             body = {k: self._plan[k] for k in S.ITER_KEYS}
         elif it is None or (it._ended and not self.persistent_workers and not ahead):
             body = {
                 "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
                 "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],
-                "replicas": S.dataset_between_epochs(self),
+                "replicas": None,
             }  # fmt: skip
         else:
             body = it.resume_state(ahead)
@@ -169,10 +167,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             old._shutdown_workers()
         if not sd["in_epoch"]:
             S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
-            rep = sd["replicas"]
-            between = rep["workers"][0] if rep and not self.num_workers else None
-            if between is not None and "state" in between:  # the dataset is its own replica
-                self.dataset.load_state_dict(copy.deepcopy(between["state"]))  # type: ignore[attr-defined]
         rngstate.restore(sd["main_rng"])
         self._epochs_started = sd["epoch"]
         self._plan = sd if (sd["in_epoch"] or sd["base_seed"] is not None) else None
@@ -235,13 +229,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             host.arena.slots_per_slab = max(host.arena.slots_per_slab,
                                             self._default_slots_per_slab())
 
-    def _batches_ahead(self, batches: int) -> None:
-        """A consumer (``DevicePrefetcher``) holds ``batches`` it took from the live iterator and
-        has not handed out yet: ``state_dict()`` counts them as not consumed."""
-        self._ahead = batches
-
     def __iter__(self) -> Any:
-        self._ahead = 0
         # A persistent iterator whose workers died or were stopped, or one inherited through
         # fork() (its workers are the parent's), is replaced instead of reset.
         it = self._iterator

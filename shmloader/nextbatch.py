@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from typing import Any
 
 from shmloader import protocol as P
+from shmloader import rngstate
 from shmloader._torch_compat import _BaseDataLoaderIter, profiler_enabled
 from shmloader.dispatch import Dispatch
 from shmloader.ending import Ending
@@ -53,6 +55,7 @@ class NextBatch(_BaseDataLoaderIter):
     _dispatch: Dispatch
     _progress: WorkerProgress  # the workers' resume records
     _at: SamplerProgress  # where the epoch's sampler stands
+    _rngs_before: deque[bytes] | None  # global RNGs before each consumed batch's draw
     _ending: Ending  # stops the workers, queues every slot for release (shmloader.ending)
     _pid: int  # the process the iterator belongs to
     _ended: bool  # the epoch has ended (StopIteration raised)
@@ -182,6 +185,8 @@ class NextBatch(_BaseDataLoaderIter):
             if not d.in_order:
                 self._at.consumed(info.seq)
             d.num_tasks[info.worker_id] -= 1
+            if self._rngs_before is not None:  # a DevicePrefetcher may ask for a state behind
+                self._rngs_before.append(rngstate.capture())
             self._try_put()  # torch draws the next index before it hands this batch out
         except BaseException:  # the sampler raised (or Ctrl-C): torch drops the batch
             d.release(info.slots())

@@ -14,12 +14,13 @@ Invariants:
   held at once, plus at most one more whose copy has not yet completed (an older one is waited
   for, so a device that falls behind cannot make this hold the loader's memory unbounded). A
   shmloader ``DataLoader`` is told so (``_consumer_will_hold``) and gives its new slabs a slot
-  for each, so its workers do not wait for slots held here; it is also told, at each hand-over,
-  how many of its batches are held here unseen (``_batches_ahead``), which its ``state_dict()``
-  counts as not consumed.
-- An error the loader raises reaches the user at that batch's turn, after the batches before it,
-  and iteration may go on past it, as with the loader (the iteration is an iterator object, not a
-  generator that an exception would end).
+  for each, so its workers do not wait for slots held here; its iterator is also told, at each
+  hand-over, how many of its batches are held here unseen (``_batches_ahead``), which the
+  loader's ``state_dict()`` counts as not consumed.
+- An error the loader raises, or the copy engine raises for a batch, reaches the user at that
+  batch's turn, in its place, after the batches before it, and iteration may go on past it, as
+  with the loader (the iteration is an iterator object, not a generator that an exception would
+  end).
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
   under an in-flight DMA (FFCV and SPDL do the same). When the device batch provably shares
@@ -184,6 +185,14 @@ class _Prefetching:
     it, and the user may go on past it, as with the loader itself."""
 
     def __init__(self, owner: DevicePrefetcher, engine: CopyEngine) -> None:
+        # In the loader's order: (host, device, event) of copies issued, or an error (the
+        # loader's, or the engine's for that batch), raised at its turn.
+        self.queue: deque[tuple[Any, Any, Event] | _LoaderError] = deque()
+        # Handed out, copy may still run: (host, event, whether the device batch shares nothing
+        # with the host batch)
+        self.retiring: deque[tuple[Any, Event, bool]] = deque()
+        self.ahead: Any = _NONE  # taken from the loader, not copied yet
+        self.ended = False
         loader = owner.loader
         will_hold = getattr(loader, "_consumer_will_hold", None)
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
@@ -191,15 +200,12 @@ class _Prefetching:
         self.depth = owner.depth
         self.engine = engine
         self.done: Callable[[Any], None] | None = getattr(loader, "_copies_done", None)
-        self.tell_ahead: Callable[[int], None] | None = getattr(loader, "_batches_ahead", None)
         self.source = iter(loader)
-        # In the loader's order: (host, device, event) of copies issued, or a loader error.
-        self.queue: deque[tuple[Any, Any, Event] | _LoaderError] = deque()
-        # Handed out, copy may still run: (host, event, whether the device batch shares nothing
-        # with the host batch)
-        self.retiring: deque[tuple[Any, Event, bool]] = deque()
-        self.ahead: Any = _NONE  # taken from the loader, not copied yet
-        self.ended = False
+        # A shmloader iterator counts what is held here unseen, for its loader's state_dict()
+        # (per iterator: two prefetchers over one loader keep their own counts).
+        self.tell_ahead: Callable[[int], None] | None = getattr(
+            self.source, "_batches_ahead", None
+        )
 
     def __iter__(self) -> _Prefetching:
         return self
@@ -213,15 +219,20 @@ class _Prefetching:
                 if isinstance(item, _LoaderError):
                     self._tell()
                     raise item.error
-                batch = self._hand_over(*item)
-                self._tell()
+                try:
+                    batch = self._hand_over(*item)
+                finally:
+                    self._tell()  # handed out, or its error raised in its place: not held here
                 return batch
             if self.ended:
                 self.close()
                 raise StopIteration
             if self.ahead is not _NONE:
                 host, self.ahead = self.ahead, _NONE
-                self.queue.append((host, *self.engine.copy(host)))
+                try:
+                    self.queue.append((host, *self.engine.copy(host)))
+                except Exception as e:  # noqa: BLE001 - raised at this batch's turn, in its place
+                    self.queue.append(_LoaderError(e))
             # Take the next host batch from the loader now, while the copy just issued runs
             # on the side stream: the loader's CPU time overlaps the DMA even when the consumer
             # waits for the whole device (torch.cuda.synchronize()) every step.
@@ -238,7 +249,11 @@ class _Prefetching:
             self.tell_ahead(len(self.queue) + (self.ahead is not _NONE))
 
     def _hand_over(self, host: Any, device_batch: Any, event: Event) -> Any:
-        self.engine.hand_over(device_batch, event)
+        try:
+            self.engine.hand_over(device_batch, event)
+        except BaseException:
+            self.retiring.append((host, event, False))  # its copy may still read the host batch
+            raise
         self.retiring.append((host, event, _copied_whole(host, device_batch)))
         while self.retiring and self.retiring[0][1].query():
             self._retire()

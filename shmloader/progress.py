@@ -91,17 +91,15 @@ class WorkerProgress:
         }
 
     def new_epoch(self) -> None:
-        """Persistent workers begin an epoch: each replica starts it in the state its latest
-        fetch left it (consumed or not: an abandoned epoch's batches count as consumed)."""
+        """Persistent workers begin an epoch: no batch of it consumed, each replica from its
+        ``iter()`` (a replica's state is carried between epochs by no state: see the README's
+        IterableDataset note), each worker's RNG as the epoch found it (taken at its first batch
+        consumed, or at a state saved before)."""
         n = len(self.batches)
-        self.states = [self._latest_state(w) for w in range(n)]
         self.batches = [0] * n
+        self.states = [None] * n
         self.pending = [{} for _ in range(n)]
         self._epoch_rng_due = [self.iterable] * n
-
-    def _latest_state(self, worker_id: int) -> bytes | None:
-        pending = self.pending[worker_id]
-        return pending[max(pending)] if pending else self.states[worker_id]
 
     def moved_past(self, worker_id: int, epoch: int, seq: int) -> None:
         """A task of an abandoned epoch was answered (or its answer was read and the epoch
@@ -111,10 +109,6 @@ class WorkerProgress:
     def replica_state(self, msg: P.ReplicaState, epoch: int) -> None:
         if msg.epoch == epoch:
             self.pending[msg.worker_id][msg.seq] = msg.state
-        elif self.batches[msg.worker_id] == 0:
-            # A task of an abandoned epoch, fetched before this epoch's: the replica's state as
-            # this epoch's iter() finds it (its frames come before any of this epoch's).
-            self.states[msg.worker_id] = msg.state
 
     def consumed(self, worker_id: int, epoch: int, seq: int) -> None:
         """The user got the batch (or the error) of task ``seq`` of ``worker_id``."""
@@ -191,19 +185,6 @@ class WorkerProgress:
                 entry["epoch_rng"] = rng
             workers.append(entry)
         return {"workers": workers, "assign": assign, "next_worker": next_worker}
-
-    def between_epochs_record(self) -> dict[str, Any] | None:
-        """The ``replicas`` entry of a state saved between epochs of persistent workers: each
-        replica's state as its last fetch left it, which the next epoch's iter() starts from
-        (None for map-style datasets, or when no replica has ``state_dict``). Their RNGs are
-        the state's ``workers``."""
-        if not self.iterable:
-            return None
-        latest = [self._latest_state(w) for w in range(len(self.batches))]
-        if all(st is None for st in latest):
-            return None
-        workers = [_replica_entry(wid, 0, st) for wid, st in enumerate(latest)]
-        return {"workers": workers, "assign": [], "next_worker": 0}
 
 
 def _replica_entry(worker_id: int, batches: int, state: bytes | None) -> dict[str, Any]:

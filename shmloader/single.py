@@ -29,6 +29,7 @@ _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoa
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         self._consumed = 0
+        self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
         # While a DevicePrefetcher holds batches unseen: the global RNGs before each fetch, so
         # that a state saved behind them resumes from before their draws (rewindable()).
         self._rngs_before: deque[bytes] | None = None
@@ -104,13 +105,21 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _next_data(self) -> Any:
         if self._rngs_before is not None:
             self._rngs_before.append(rngstate.capture())
+        drawn = self._consumed
         try:
             return super()._next_data()  # type: ignore[no-untyped-call]
         except StopIteration:
+            # No batch came of that fetch (an IterableDataset's index was drawn, then its replica
+            # ended): it is not counted, nor its RNG state kept.
+            self._consumed = drawn
             if self._rngs_before:
-                self._rngs_before.pop()  # no batch came of that fetch
+                self._rngs_before.pop()
             self._ended = True
             raise
+
+    def _batches_ahead(self, batches: int) -> None:
+        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen."""
+        self.ahead = batches
 
     def resume_state(self, behind: int = 0) -> dict[str, Any]:
         """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as

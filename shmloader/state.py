@@ -285,19 +285,6 @@ def stateful_samplers(loader: Any) -> dict[str, Any]:
     return out
 
 
-def dataset_between_epochs(loader: Any) -> dict[str, Any] | None:
-    """The ``replicas`` entry of a state saved between epochs with ``num_workers=0``: an
-    IterableDataset with ``state_dict`` is its own one replica, and the next epoch's ``iter()``
-    starts from its state now (a copy). None for any other loader."""
-    ds = loader.dataset
-    if loader.num_workers or not isinstance(ds, torch.utils.data.IterableDataset):
-        return None
-    if not is_stateful(ds):
-        return None
-    state = copy.deepcopy(ds.state_dict())  # type: ignore[attr-defined]
-    return {"workers": [{"batches": 0, "state": state}], "assign": [], "next_worker": 0}
-
-
 def generator_states(loader: Any) -> dict[str, bytes]:
     return {p: bytes(g.get_state().numpy().tobytes()) for p, g in generators(loader).items()}
 

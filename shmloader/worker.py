@@ -409,7 +409,6 @@ class _Worker:
                 self.send(P.Failed(task.seq, task.epoch, wid, wrap_current_exception(self.where())))
                 return
             self.iteration_end = True
-            self.replica_state(task)  # as the next epoch's iter() finds it (persistent workers)
             self.send(P.Exhausted(task.seq, task.epoch, wid))
             return
         # User code failed: forward it to the main process, as torch does.

@@ -7,6 +7,7 @@ restores the global RNGs of torch, ``random`` and NumPy after each test."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 from collections.abc import Callable, Iterator
@@ -24,14 +25,21 @@ CAP = 200  # no run here has that many items: reaching it means a loop that neve
 TIMEOUT = 60
 
 
-@pytest.fixture(autouse=True)
-def own_rngs() -> Iterator[None]:
-    """Leave the global RNGs of torch, ``random`` and NumPy as they were before the test."""
+@contextlib.contextmanager
+def kept_rngs() -> Iterator[None]:
+    """Leave the global RNGs of torch, ``random`` and NumPy as they were before the block."""
     saved = rngstate.capture()
     try:
         yield
     finally:
         rngstate.restore(saved)
+
+
+@pytest.fixture(autouse=True)
+def own_rngs() -> Iterator[None]:
+    """Leave the global RNGs of torch, ``random`` and NumPy as they were before the test."""
+    with kept_rngs():
+        yield
 
 
 def seed_all(s: int) -> None:

@@ -6,13 +6,11 @@ restored afterwards); the resume runs in a fresh interpreter, whose RNGs it scra
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +18,10 @@ import pytest
 import torch
 
 from shmloader import rngstate
+from tests.resume_items import kept_rngs
 from tests.resume_job import make_loader, run
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def _own_rngs() -> Iterator[None]:
-    """Leave the global RNGs of torch, ``random`` and NumPy as they were before the block."""
-    saved = rngstate.capture()
-    try:
-        yield
-    finally:
-        rngstate.restore(saved)
 
 
 def _run(spec: dict[str, Any], out: Path) -> list[torch.Tensor]:
@@ -51,7 +40,7 @@ def _saved_and_resumed(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     state = str(tmp_path / "state.pt")
     k = spec["save_after"]
-    with _own_rngs(), warnings.catch_warnings():
+    with kept_rngs(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # as PYTHONWARNINGS=ignore does for the resume
         full = run({**spec, "mode": "save", "state": state})
     resumed = _run({**spec, "mode": "resume", "state": state}, tmp_path / "resumed.pt")
@@ -191,7 +180,7 @@ def test_a_state_from_another_loader_is_refused_naming_the_mismatch(
 def test_a_state_of_other_rngs_is_refused_before_the_global_rngs_change(
     saved: dict[str, Any], loaded: dict[str, Any], named: str
 ) -> None:
-    with _own_rngs():
+    with kept_rngs():
         sd = _state({"workers": 0, **saved})
         loader = make_loader({"workers": 0, **loaded})
         before = rngstate.capture()

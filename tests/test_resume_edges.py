@@ -34,6 +34,7 @@ from tests.resume_items import (
     Item,
     batch_bytes,
     drain,
+    next_item,
     own_rngs,
     resumed_run,
     roundtrip,
@@ -95,64 +96,63 @@ def test_a_state_after_an_abandoned_epoch_counts_the_batches_read_ahead() -> Non
     assert resumed_run(make, state, 3) == expected
 
 
-# -- a dataset that counts its own epochs, saved between them ----------------------------------
+# -- a Stateful stream saved between epochs ---------------------------------------------------
 
 
-class EpochCounting(IterableDataset):  # type: ignore[type-arg]
-    """Stateful (torchdata's protocol): epoch ``e``'s order is a permutation seeded by ``e``,
-    which the replica counts itself; its state says where it is, and whether an epoch is open."""
+class Positioned(IterableDataset):  # type: ignore[type-arg]
+    """Stateful (torchdata's protocol), its state the position in the current pass: ``iter()``
+    starts a pass from the start unless ``load_state_dict`` gave a position (the usual kind)."""
 
     def __init__(self) -> None:
-        self.epochs = 0  # epochs begun
-        self.current: int | None = None  # the epoch being iterated, None once it ended
         self.pos = 0
-        self._resume: tuple[int, int] | None = None
+        self._start = 0
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        if self._resume is not None:
-            epoch, start = self._resume
-            self._resume = None
-        else:
-            epoch, start = self.epochs, 0
-            self.epochs += 1
         wid, nw = _worker()
-        g = torch.Generator().manual_seed(epoch)
-        order = [i for i in torch.randperm(N, generator=g).tolist() if i % nw == wid]
-        self.current, self.pos = epoch, start
-        while self.pos < len(order):
+        shard = [i for i in range(N) if i % nw == wid]
+        self.pos, self._start = self._start, 0
+        while self.pos < len(shard):
             self.pos += 1
-            yield torch.tensor([float(order[self.pos - 1]), float(epoch)])
-        self.current = None
+            yield torch.tensor([float(shard[self.pos - 1]), torch.rand(()).item()])
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epochs": self.epochs, "current": self.current, "pos": self.pos}
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.epochs = sd["epochs"]
-        self._resume = None if sd["current"] is None else (sd["current"], sd["pos"])
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self._start = sd["pos"]
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["0 workers", "2 persistent workers"])
-def test_a_state_saved_between_epochs_carries_the_replicas_own_state(workers: int) -> None:
-    """F2: saved after the StopIteration of epoch 0, the state held no replica state, so the
-    resumed dataset began at its epoch 0 again."""
+@pytest.mark.parametrize("saved", ["between epochs", "after 1 batch of epoch 1"])
+def test_a_stateful_stream_resumes_its_next_epoch_whole(workers: int, saved: str) -> None:
+    """A state between epochs carries no replica state: the next epoch starts from each
+    replica's ``iter()``, as a fresh loader's does. (Review 16 F2 proposed carrying the state
+    the last fetch left, for datasets that count their own epochs; review 19 showed that this
+    resumes a position-keeping stream at its end, with an empty epoch, and loses the shards of
+    persistent workers that had delivered nothing yet: 0 and 2 of 6 batches.)"""
 
     def make() -> DataLoader[Any]:
-        return DataLoader(EpochCounting(), batch_size=4, num_workers=workers,
+        return DataLoader(Positioned(), batch_size=4, num_workers=workers,
                           persistent_workers=workers > 0,
                           timeout=TIMEOUT if workers else 0)  # fmt: skip
 
+    per_epoch = N // 4
+    save_after = per_epoch if saved == "between epochs" else per_epoch + 1
     seed_all(0)
     loader = make()
-    before: list[Item] = []
-    drain(iter(loader), before)
-    state = roundtrip(loader.state_dict())
-    assert not state["in_epoch"]
-    expected: list[Item] = []
-    for _ in range(2):
-        drain(iter(loader), expected)
-    assert len(expected) == len(before) * 2
-    assert resumed_run(make, state, 3) == expected
+    items: list[Item] = []
+    state: dict[str, Any] | None = None
+    between = saved == "between epochs"
+    for _ in range(3):
+        if between and len(items) == save_after:  # after the StopIteration, before iter()
+            state = roundtrip(loader.state_dict())
+        it = iter(loader)
+        while (item := next_item(it)) is not None:
+            items.append(item)
+            if not between and len(items) == save_after:
+                state = roundtrip(loader.state_dict())
+    assert state is not None and state["in_epoch"] is not between
+    assert resumed_run(make, state, 3) == items[save_after:]
 
 
 # -- datasets and samplers that shuffle with the global RNGs -----------------------------------
@@ -450,6 +450,18 @@ class CountedStream(IterableDataset):  # type: ignore[type-arg]
         self._start = sd["pos"]
 
 
+class LazyDraws(Sampler[int]):
+    """Draws each index from the global ``random`` as it is asked for (torch's samplers draw
+    their permutation at once)."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(N):
+            yield random.randrange(N)
+
+
 PREFETCHED: dict[str, Callable[[], DataLoader[Any]]] = {
     "0 workers": lambda: DataLoader(Augment(), batch_size=2, shuffle=True),
     "2 workers": lambda: DataLoader(Augment(), batch_size=2, shuffle=True, num_workers=2,
@@ -462,6 +474,9 @@ PREFETCHED: dict[str, Callable[[], DataLoader[Any]]] = {
                                           timeout=TIMEOUT),
     "stream, no state": lambda: DataLoader(ShuffledShards(), batch_size=2, num_workers=2,
                                            persistent_workers=True, timeout=TIMEOUT),
+    "stream, 0 workers": lambda: DataLoader(ShuffledShards(), batch_size=2),
+    "lazy global sampler": lambda: DataLoader(Augment(), batch_size=2, sampler=LazyDraws(),
+                                              num_workers=2, timeout=TIMEOUT),
 }  # fmt: skip
 
 
@@ -472,7 +487,10 @@ def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
 ) -> None:
     """F6: the loader counted the batches the DevicePrefetcher took ahead as consumed, so a
     state saved after the user's k-th batch resumed past the ones it had not seen. Saved in
-    epoch 1 at its 3rd batch, and in the epoch's last batches (the loader already at its end)."""
+    epoch 1 at its 3rd batch, and in the epoch's last batches (the loader already at its end).
+    Review 19: a stream with no workers resumed one batch short there (the fetch that found the
+    stream's end was counted), and a sampler drawing from the global RNG as it goes skipped the
+    draws of the batches behind (the state's RNGs were those after them)."""
     make = PREFETCHED[case]
     per_epoch = N // 2
     for save_after in (per_epoch + 3, 2 * per_epoch - 1):
@@ -505,6 +523,31 @@ def _indices(key: bytes) -> list[float]:
     """The sample indices of an ``Augment`` batch of 2 from its ``batch_bytes``."""
     rows = np.frombuffer(key[-64:], dtype=np.float64).reshape(2, 4)
     return rows[:, 0].tolist()
+
+
+def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:
+    """Review 19: one count per loader, which each prefetcher overwrote: a state for the second
+    prefetcher's epoch skipped the batches the first one no longer held."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=4, num_workers=2, timeout=TIMEOUT)
+
+    seed_all(0)
+    loader = make()
+    a = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+    for _ in range(5):
+        next(a)  # A's user at its 5th of 6 batches
+    b = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+    seen = [batch_bytes(next(b))]
+    next(a)  # A hands out its last batch: it holds none now, B still holds 2
+    state = roundtrip(loader.state_dict())  # the latest iterator's: B's
+    seen += [batch_bytes(x) for x in b]
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = [batch_bytes(x) for x in DevicePrefetcher(resumed, "cuda", depth=1,
+                                                     engine=CloningEngine())]  # fmt: skip
+    assert state["yielded"] == 1 and got == seen[1:]
+    del a
 
 
 def test_a_stateful_dataset_without_workers_behind_a_device_prefetcher_says_why() -> None:

@@ -1,11 +1,12 @@
 import gc
+import sys
 import weakref
 
 import pytest
 import torch
 
 import shmloader
-from shmloader.prefetch import DevicePrefetcher, map_tensors
+from shmloader.prefetch import _NONE, DevicePrefetcher, map_tensors
 
 from .fakes import Squares
 
@@ -267,3 +268,55 @@ def test_host_batches_held_for_slow_copies_stay_bounded():
     synced = sorted(n for kind, n in engine.log if kind == "sync")
     assert synced == list(range(10))  # each but the last two, once two are waiting
     list(it)
+
+
+class FailsOnce(Done):
+    """A fast engine whose ``copy`` or ``hand_over`` raises once, at its 3rd call."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where, self.calls = where, 0
+
+    def _maybe_fail(self, where):
+        if where == self.where:
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError(f"{where} failed")
+
+    def copy(self, batch):
+        self._maybe_fail("copy")
+        return super().copy(batch)
+
+    def hand_over(self, device_batch, event):
+        self._maybe_fail("hand_over")
+        super().hand_over(device_batch, event)
+
+
+@pytest.mark.parametrize("where", ["copy", "hand_over"])
+def test_an_engine_error_comes_in_its_batchs_place_at_its_turn(where):
+    """Review 19: a copy error came before the batches copied earlier and lost one; a hand-over
+    error lost its batch without telling the loader, whose state then counted it as held."""
+    loader = shmloader.DataLoader(Rows(24), batch_size=4, num_workers=2)
+    it = iter(DevicePrefetcher(loader, "cpu", depth=1, engine=FailsOnce(where)))
+    got = []
+    while True:
+        try:
+            got.append(int(next(it)[0, 0]) // 4)
+        except StopIteration:
+            break
+        except RuntimeError as e:
+            got.append(str(e))
+            assert it.source.ahead == len(it.queue) + (it.ahead is not _NONE)
+    assert got == [0, 1, f"{where} failed", 3, 4, 5]
+
+
+def test_a_prefetcher_whose_loader_fails_to_start_leaves_nothing_on_stderr(monkeypatch):
+    """Review 19: iter(loader) failing inside the prefetcher's constructor left an object whose
+    __del__ raised AttributeError ("Exception ignored in ...")."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    loader = shmloader.DataLoader(Rows(8), batch_size=4, timeout=5)  # torch: needs timeout 0
+    with pytest.raises(AssertionError, match="timeout == 0"):
+        iter(DevicePrefetcher(loader, "cpu", engine=Done()))
+    gc.collect()
+    assert unraisable == []
