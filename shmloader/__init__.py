@@ -58,7 +58,13 @@ def release(batch: Any, loader: DataLoader[Any]) -> int:
     """
     _check_release_arguments(batch, loader)
     host = loader._host
-    return 0 if host is None or not host.here else host.leases.release_early(batch)
+    if host is None or not host.here:
+        return 0
+    for lender in host.lenders():  # an iterator of a retired arena may still yield batches
+        released: int = lender.leases.release_early(batch)
+        if released:
+            return released
+    return 0
 
 
 def _check_release_arguments(batch: Any, loader: Any) -> None:

@@ -13,7 +13,11 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils as torch_data_utils
 from torch.utils.data._utils.collate import (
     collate,
+    collate_float_fn,
     collate_int_fn,
+    collate_numpy_array_fn,
+    collate_numpy_scalar_fn,
+    collate_str_fn,
     collate_tensor_fn,
     default_collate_fn_map,
 )
@@ -79,7 +83,11 @@ __all__ = [
     "_BaseDataLoaderIter",
     "_sharding_worker_init_fn",
     "collate",
+    "collate_float_fn",
     "collate_int_fn",
+    "collate_numpy_array_fn",
+    "collate_numpy_scalar_fn",
+    "collate_str_fn",
     "collate_tensor_fn",
     "create_fetcher",
     "numpy_seed",

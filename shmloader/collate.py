@@ -29,7 +29,7 @@ import math
 import operator
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -39,7 +39,11 @@ from arena import SlotWriter
 from shmloader import stacking
 from shmloader._torch_compat import (
     collate,
+    collate_float_fn,
     collate_int_fn,
+    collate_numpy_array_fn,
+    collate_numpy_scalar_fn,
+    collate_str_fn,
     collate_tensor_fn,
     default_collate_fn_map,
     torch_function_mode_active,
@@ -94,8 +98,8 @@ class SlotSession:
         self.overflowed = False
         self.planned = False
         # A batch that does not fit is planned (collated with placeholders, then again into a
-        # slot that fits) unless collating may change its first sample (_collate_may_change):
-        # then it goes to private memory, collated once.
+        # slot that fits) only if collating twice is the same as once (_plannable): else it
+        # goes to private memory, collated once.
         self.first_sample: Any = None
         self.may_plan = True
         self.placeholders: set[int] = set()  # ids of the meta tensors planning handed out
@@ -119,9 +123,9 @@ class SlotSession:
             return torch.empty(tuple(shape), dtype=dtype)
         self.overflowed = True
         if plan and self.may_plan and not self.planned:
-            # Looked at once, when planning would start (collating changes no container type,
-            # so what was collated so far does not hide one).
-            self.may_plan = self.first_sample is None or not _collate_may_change(self.first_sample)
+            # Looked at once, when planning would start: a pure collate (the only kind planned)
+            # has changed nothing in the sample so far.
+            self.may_plan = self.first_sample is None or _plannable(self.first_sample)
         if plan and self.may_plan:
             self.planned = True
             out = torch.empty(tuple(shape), dtype=dtype, device="meta")
@@ -301,6 +305,12 @@ _SLOT_VERSIONS: Final = (
     (torch.Tensor, collate_tensor_fn, _collate_tensor_in_slot),
     (int, collate_int_fn, _collate_ints),
 )
+# torch's own entries of default_collate_fn_map and the slot versions: pure functions of the
+# samples (what _plannable requires of every entry)
+_PURE_COLLATES: Final = frozenset(
+    {*(torchs for _, torchs, _ in _SLOT_VERSIONS), *(ours for _, _, ours in _SLOT_VERSIONS),
+     collate_numpy_array_fn, collate_numpy_scalar_fn, collate_float_fn, collate_str_fn}
+)  # fmt: skip
 _map_of: tuple[tuple[Any, Any], ...] = ()  # default_collate_fn_map's items the map was made of
 _slot_map: dict[Any, Any] = {}
 
@@ -319,25 +329,30 @@ def slot_collate_fn_map() -> dict[Any, Any]:
     return _slot_map
 
 
-_COPIED_APART: Final = frozenset({dict, OrderedDict, defaultdict, list})
+_PLAIN_CONTAINERS: Final = frozenset({dict, OrderedDict, defaultdict, list, tuple})
+_PLAIN_LEAVES: Final = (torch.Tensor, np.ndarray, np.generic, int, float, str, bytes)
 
 
-def _collate_may_change(elem: Any) -> bool:
-    """Whether torch's collate, which fills a ``copy.copy`` of a batch's first sample (at every
-    level) for a mutable mapping or sequence, may change that sample itself: true for any such
-    container but ``dict``, ``OrderedDict``, ``defaultdict`` and ``list``, whose copies share
-    nothing (a custom mapping's copy may share its inner dict, and be filled through it)."""
+def _plannable(elem: Any) -> bool:
+    """Whether a batch led by ``elem`` may be planned: collated with placeholders, then again
+    into a slot that fits. Only when collating it twice is the same as once: every entry of
+    torch's ``default_collate_fn_map`` is torch's own or a slot version (a user's may draw
+    random numbers, or have other effects), and ``elem`` is built of plain containers (dict,
+    OrderedDict, defaultdict, list, tuple, named tuples: torch's collate copies them apart or
+    builds new ones) and tensors, arrays, numbers and strings. Anything else (a custom mapping,
+    whose ``copy.copy`` torch fills may share the sample's contents, or any other type) goes to
+    private memory when it does not fit, collated once."""
+    if any(fn not in _PURE_COLLATES for fn in default_collate_fn_map.values()):
+        return False
     stack = [elem]
     while stack:
         x = stack.pop()
         kind = type(x)
-        if kind in _COPIED_APART:
+        if kind in _PLAIN_CONTAINERS or (isinstance(x, tuple) and hasattr(x, "_fields")):
             stack.extend(x.values() if isinstance(x, dict) else x)
-        elif kind is tuple or (isinstance(x, tuple) and hasattr(x, "_fields")):
-            stack.extend(x)
-        elif isinstance(x, MutableMapping | MutableSequence) and not isinstance(x, bytearray):
-            return True
-    return False
+        elif not isinstance(x, _PLAIN_LEAVES):
+            return False
+    return True
 
 
 def _alloc_in_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -89,6 +89,8 @@ class ArenaHost:
     ) -> None:
         self.pid = os.getpid()
         self.pin_setting = (pin, pin_device)  # as the iterator that made it asked
+        # Retired with its books whole: pin_memory changed, and its iterators may still run.
+        self.superseded = False
         self.arena = Arena(backend=backend, max_bytes=max_bytes, slots_per_slab=slots_per_slab)
         self.pinner = Pinner(pin, pin_device)
         # Page-locked slabs keep their pages: the GPU's copies may read any of them.
@@ -154,6 +156,18 @@ class ArenaHost:
         """What a host that replaces this retired one carries: this one's predecessors, then
         this one."""
         return [*self.predecessors, (self.leases.counter(), weakref.ref(self))]
+
+    def lenders(self) -> list[ArenaHost]:
+        """The hosts whose iterators may still lend this loader's batches: this one, then those
+        superseded before it (pin_memory changed between iterators) whose arena is still open,
+        newest first. A host retired by an interruption lends nothing more: its books may be
+        half-changed, and its iterator is unusable."""
+        out = [self]
+        for _, host_ref in reversed(self.predecessors):
+            host = host_ref()
+            if host is not None and host.superseded and not host.arena.closed:
+                out.append(host)
+        return out
 
     def retired_held(self) -> tuple[int, int]:
         """Batches the user holds from the retired hosts before this one, and the shared memory
@@ -222,5 +236,7 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
                 # A slot an interruption stranded (LENT, and no lease names it) is FREE nowhere
                 # in the books: close() alone would keep its memory while a view keeps its slab.
                 arena.empty_all_but(leases.read_ranges())
+            # Batches still held keep only their own slots' memory, each until it is dropped.
+            leases.punch_when_dropped()
         finally:
             arena.close()

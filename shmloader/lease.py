@@ -85,6 +85,15 @@ class Quarantine:
         self.active = True
 
 
+def _punch_unless_kept(
+    segment: Any, ref: SlotRef, at: int, nbytes: int, quarantines: list[Quarantine]
+) -> None:
+    """A closed arena's batch died: give its slot's memory back, unless workers forked while
+    it was lent may still read it (their views share the pages)."""
+    if not any(q.active and ref in q.refs for q in list(quarantines)):
+        segment.punch(at, nbytes)
+
+
 def _held_ranges(live: dict[int, Lease]) -> list[tuple[int, int]]:
     """The ``(address, bytes)`` of the slots of the leases in ``live`` whose views are alive."""
     return [(lease.lo, lease.hi - lease.lo) for lease in list(live.values()) if lease() is not None]
@@ -137,6 +146,26 @@ class Leases:
                 if slab is not None:
                     out.append((slab.segment.address + ref.slot * slab.slot_size, slab.slot_size))
         return out
+
+    def punch_when_dropped(self) -> int:
+        """For an arena about to close: the slot of each batch still held gives its memory
+        back as soon as that batch's views die, though other batches keep the slab mapped
+        (closing empties only the slots free then). Not a slab that may not be hollowed
+        (page-locked), nor a slot kept for workers forked while it was lent. Returns how many
+        batches were armed so."""
+        slabs = {slab.slab_id: slab for slab in self.arena.slabs()}
+        armed = 0
+        for lease in list(self._live.values()):
+            keep, slab = lease(), slabs.get(lease.slot.slab_id)
+            if keep is None or slab is None or not self.arena.can_hollow(slab.slab_id):
+                continue
+            at = lease.slot.slot * slab.slot_size
+            weakref.finalize(
+                keep, _punch_unless_kept, slab.segment, lease.slot, at, slab.slot_size,
+                self._quarantines,
+            )  # fmt: skip
+            armed += 1
+        return armed
 
     def counter(self) -> Callable[[], tuple[int, int]]:
         """A reader of the batches of this table whose views are alive, and of their slots'

@@ -180,8 +180,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         old = self._host
         if old is not None and old.here and old.pin_setting != (pin, pin_device):
             # pin_memory (or its device) changed since: torch's next iterator reads it anew. The
-            # old arena is let go as a retired one is: its batches stay valid and counted.
-            old.retired = True
+            # old arena is let go as a retired one is: its batches stay valid and counted, and
+            # its iterators may run on (release() and a DevicePrefetcher still reach it).
+            old.superseded = old.retired = True
         if old is None or not old.here or old.retired:
             opts = self.arena_options
             old = self._host = ArenaHost(
@@ -214,7 +215,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         and nothing else refers to it, so its slots go back without waiting on the copy fence."""
         host = self._host
         if host is not None and host.here:
-            host.leases.release_early(batch, copies_done=True)
+            for lender in host.lenders():  # the batch may come from a retired arena's iterator
+                if lender.leases.release_early(batch, copies_done=True):
+                    return
 
     def _consumer_will_hold(self, batches: int) -> None:
         """The consumer keeps up to ``batches`` batches alive at once (a ``DevicePrefetcher`` of

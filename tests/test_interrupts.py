@@ -177,6 +177,9 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
         assert firsts(kept) == ALL[:2]  # and the batches are intact
         kept.pop()
         assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+        # ... and its slot's memory is gone with it, while the other keeps the slab mapped
+        # (review 20: it stayed until the slab's last view went).
+        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == slot
         kept.clear()
         assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
     finally:

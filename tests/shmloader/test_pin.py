@@ -121,3 +121,21 @@ def test_pin_memory_changed_between_iterators_is_honoured(accelerator, first):
     assert old.retired and loader.stats().batches_retired == 1
     assert held[1].tolist() == batch[1].tolist() == [0, 1, 2, 3]
     assert torch.equal(held[0], batch[0]) and held[0][3].unique().tolist() == [3.0]
+
+
+def test_release_reaches_a_batch_of_an_iterator_started_before_a_pin_change(accelerator):
+    """Review 20 F4: release() looked in the loader's current arena only; a batch of an iterator
+    started before pin_memory changed (its arena superseded, still running) released nothing."""
+    import shmloader
+
+    from .fakes import Squares
+
+    loader = shmloader.DataLoader(Squares(16), batch_size=4, num_workers=2, pin_memory=False)
+    old = iter(loader)
+    before = next(old)
+    assert shmloader.release(before, loader) == 1
+    loader.pin_memory = True
+    new = iter(loader)
+    assert shmloader.release(next(old), loader) == 1  # from the superseded arena
+    assert shmloader.release(next(new), loader) == 1
+    del old, new
