@@ -330,7 +330,7 @@ def slot_collate_fn_map() -> dict[Any, Any]:
 
 
 _PLAIN_CONTAINERS: Final = frozenset({dict, OrderedDict, defaultdict, list, tuple})
-_PLAIN_LEAVES: Final = (torch.Tensor, np.ndarray, np.generic, int, float, str, bytes)
+_PLAIN_LEAVES: Final = (np.ndarray, np.generic, int, float, str, bytes)
 
 
 def _plannable(elem: Any) -> bool:
@@ -338,9 +338,11 @@ def _plannable(elem: Any) -> bool:
     into a slot that fits. Only when collating it twice is the same as once: every entry of
     torch's ``default_collate_fn_map`` is torch's own or a slot version (a user's may draw
     random numbers, or have other effects), and ``elem`` is built of plain containers (dict,
-    OrderedDict, defaultdict, list, tuple, named tuples: torch's collate copies them apart or
-    builds new ones) and tensors, arrays, numbers and strings. Anything else (a custom mapping,
-    whose ``copy.copy`` torch fills may share the sample's contents, or any other type) goes to
+    OrderedDict, defaultdict, list, tuple, and named tuples as ``namedtuple`` or ``NamedTuple``
+    made them, not subclasses that may redefine ``__new__``: torch's collate copies them apart or
+    builds new ones) and plain tensors (not subclasses, whose ``__torch_function__`` may do
+    anything), arrays, numbers and strings. Anything else (a custom mapping, whose
+    ``copy.copy`` torch fills may share the sample's contents, or any other type) goes to
     private memory when it does not fit, collated once."""
     if any(fn not in _PURE_COLLATES for fn in default_collate_fn_map.values()):
         return False
@@ -348,9 +350,9 @@ def _plannable(elem: Any) -> bool:
     while stack:
         x = stack.pop()
         kind = type(x)
-        if kind in _PLAIN_CONTAINERS or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        if kind in _PLAIN_CONTAINERS or (isinstance(x, tuple) and "_fields" in vars(kind)):
             stack.extend(x.values() if isinstance(x, dict) else x)
-        elif not isinstance(x, _PLAIN_LEAVES):
+        elif kind is not torch.Tensor and not isinstance(x, _PLAIN_LEAVES):
             return False
     return True
 

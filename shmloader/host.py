@@ -172,8 +172,9 @@ class ArenaHost:
     def retired_held(self) -> tuple[int, int]:
         """Batches the user holds from the retired hosts before this one, and the shared memory
         those hosts still hold: one still alive (not closed) holds its whole arena and its
-        iterators' RNG rings; once closed, only the slots of the batches still held. One closed
-        with no batch left is forgotten (each removed alone: another thread may read too)."""
+        iterators' RNG rings; once closed, the slots held when it closed, in each slab a batch
+        still held keeps mapped (Leases.counter). One closed with no batch left is forgotten
+        (each removed alone: another thread may read too)."""
         batches, nbytes = 0, 0
         for entry in list(self.predecessors):
             count, host_ref = entry
@@ -236,7 +237,6 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
                 # A slot an interruption stranded (LENT, and no lease names it) is FREE nowhere
                 # in the books: close() alone would keep its memory while a view keeps its slab.
                 arena.empty_all_but(leases.read_ranges())
-            # Batches still held keep only their own slots' memory, each until it is dropped.
-            leases.punch_when_dropped()
+            leases.close_books()  # what the batches still held keep (Leases.counter)
         finally:
             arena.close()

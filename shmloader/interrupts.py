@@ -31,7 +31,8 @@ Invariants:
   one. Batches still held from the old one stay valid, and ``stats()`` counts them apart
   (``batches_retired``: read from the old lease table's weak references, not from its books)
   until they are dropped; ``bytes_retired`` is the whole old arena while an iterator of it
-  lives (a saved traceback can keep one), then the slots of those batches. The fresh arena has
+  lives (a saved traceback can keep one), then the slots held when it closed, in the slabs
+  those batches keep mapped (:meth:`shmloader.lease.Leases.counter`). The fresh arena has
   the whole ``arena_max_bytes`` (a double hand-out of a slot from half-changed books would be
   worse than holding a few batches' memory outside the cap).
 """

@@ -85,15 +85,6 @@ class Quarantine:
         self.active = True
 
 
-def _punch_unless_kept(
-    segment: Any, ref: SlotRef, at: int, nbytes: int, quarantines: list[Quarantine]
-) -> None:
-    """A closed arena's batch died: give its slot's memory back, unless workers forked while
-    it was lent may still read it (their views share the pages)."""
-    if not any(q.active and ref in q.refs for q in list(quarantines)):
-        segment.punch(at, nbytes)
-
-
 def _held_ranges(live: dict[int, Lease]) -> list[tuple[int, int]]:
     """The ``(address, bytes)`` of the slots of the leases in ``live`` whose views are alive."""
     return [(lease.lo, lease.hi - lease.lo) for lease in list(live.values()) if lease() is not None]
@@ -124,6 +115,9 @@ class Leases:
         # An interruption may have left these books (or the arena's) half-changed: the host is
         # retired, and at its close only what is known to be read keeps its memory (read_ranges).
         self.retired = False
+        # Per slab, the slots batches held when the arena closed (close_books); None while open.
+        # In a box of its own: counter() reads it without holding this table.
+        self.at_close: list[dict[int, int] | None] = [None]
 
     def live(self) -> list[Lease]:
         """The leases of batches lent and not yet returned (as of the last drain)."""
@@ -147,37 +141,35 @@ class Leases:
                     out.append((slab.segment.address + ref.slot * slab.slot_size, slab.slot_size))
         return out
 
-    def punch_when_dropped(self) -> int:
-        """For an arena about to close: the slot of each batch still held gives its memory
-        back as soon as that batch's views die, though other batches keep the slab mapped
-        (closing empties only the slots free then). Not a slab that may not be hollowed
-        (page-locked), nor a slot kept for workers forked while it was lent. Returns how many
-        batches were armed so."""
-        slabs = {slab.slab_id: slab for slab in self.arena.slabs()}
-        armed = 0
-        for lease in list(self._live.values()):
-            keep, slab = lease(), slabs.get(lease.slot.slab_id)
-            if keep is None or slab is None or not self.arena.can_hollow(slab.slab_id):
-                continue
-            at = lease.slot.slot * slab.slot_size
-            weakref.finalize(
-                keep, _punch_unless_kept, slab.segment, lease.slot, at, slab.slot_size,
-                self._quarantines,
-            )  # fmt: skip
-            armed += 1
-        return armed
+    def close_books(self) -> None:
+        """For an arena about to close: note, per slab, how many slots batches still hold. A
+        closed arena empties its free slots only; a held batch's slot keeps its memory until
+        the slab's last view goes (emptying it when the batch dies instead would zero what a
+        process forked since still reads), and :meth:`counter` reports exactly that."""
+        per_slab: dict[int, int] = {}
+        held = [lease.slot for lease in list(self._live.values()) if lease() is not None]
+        kept = [ref for q in list(self._quarantines) if q.active for ref in list(q.held)]
+        for ref in held + kept:  # kept: dropped, but workers forked while lent may read them
+            per_slab[ref.slab_id] = per_slab.get(ref.slab_id, 0) + 1
+        self.at_close[0] = per_slab
 
     def counter(self) -> Callable[[], tuple[int, int]]:
-        """A reader of the batches of this table whose views are alive, and of their slots'
-        bytes, for an arena retired after an interruption (:mod:`shmloader.interrupts`): it
-        holds only the table of weak references, not this object, its arena or its mappings,
-        and it reads without a drain, so it touches no book an interruption may have left
-        half-changed."""
-        live = self._live
+        """A reader of the batches of this table whose views are alive, and of the shared
+        memory they keep, for a retired arena (:mod:`shmloader.interrupts`): their slots while
+        the arena is open; once it closed, every slot held (or kept) then in each slab of
+        theirs, which the slab keeps while any view of it lives. It holds only the table of weak
+        references and the close record, not this object, its arena or its mappings, and reads
+        without a drain, so it touches no book an interruption may have left half-changed."""
+        live, box = self._live, self.at_close
 
         def count() -> tuple[int, int]:
-            held = _held_ranges(live)
-            return len(held), sum(n for _, n in held)
+            alive = [lease for lease in list(live.values()) if lease() is not None]
+            at_close = box[0]
+            if at_close is None:  # open: each batch's own slot
+                return len(alive), sum(lease.hi - lease.lo for lease in alive)
+            # Closed: a slab keeps the slots held when it closed while any view of it lives.
+            sizes = {lease.slot.slab_id: lease.hi - lease.lo for lease in alive}
+            return len(alive), sum(at_close.get(sid, 0) * n for sid, n in sizes.items())
 
         return count
 

@@ -94,6 +94,7 @@ class NextBatch(_BaseDataLoaderIter):
             self.failure = unusable_after(e, where)
             if touched_the_books(e):
                 self._host.retired = True  # the arena's books may be half-changed too
+                self._host.superseded = False  # (and it lends nothing more: ArenaHost.lenders)
             self._sup.kill()
             self._shutdown_workers()
 

@@ -60,10 +60,11 @@ class LoaderStats:
     - ``batches_retired``, ``bytes_retired``: batches you still hold from an arena the loader
       retired after an interruption landed inside its books, or when ``pin_memory`` changed
       between iterators (:mod:`shmloader.interrupts`; the next iterator got a fresh arena),
-      and the shared memory retired arenas still hold: a
-      whole arena, with its iterators' RNG rings, while an iterator of it lives (a saved
-      traceback can keep one: ``sys.last_traceback`` in IPython), then only the slots of the
-      batches you hold, gone as you drop them. Outside the current arena and its cap.
+      and the shared memory retired arenas still hold: a whole arena, with its iterators' RNG
+      rings, while an iterator of it lives (a saved traceback can keep one:
+      ``sys.last_traceback`` in IPython), then the slots held when it closed, in each slab a
+      batch you hold keeps mapped, gone with the slab's last batch. Outside the current arena
+      and its cap.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or

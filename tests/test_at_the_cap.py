@@ -275,29 +275,6 @@ def test_a_dropped_loader_keeps_only_the_memory_of_the_batch_still_held():
         os.close(fd)
 
 
-def test_each_batch_held_past_its_loader_gives_its_slot_back_when_dropped() -> None:
-    """Two batches of one slab outlive their loader: dropping one gives its slot's memory back
-    at once, though the other keeps the slab mapped (review 20: it stayed until the last)."""
-    data = torch.utils.data.TensorDataset(torch.zeros(40, 16 * 1024, dtype=torch.uint8))
-    loader = shmloader.DataLoader(data, batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S)
-    it = iter(loader)
-    first, second = next(it)[0], next(it)[0]
-    leases = loader._host.leases.live()
-    assert len({lease.slot.slab_id for lease in leases}) == 1  # one slab holds both
-    slab = loader._host.arena.slab(leases[0].slot.slab_id)
-    fd, slot_size = os.dup(slab.segment._fd), slab.slot_size
-    try:
-        del it, leases, slab, loader
-        gc.collect()
-        assert os.fstat(fd).st_blocks * 512 == 2 * slot_size
-        del first
-        gc.collect()
-        assert os.fstat(fd).st_blocks * 512 == slot_size
-        assert torch.equal(second, torch.zeros(4, 16 * 1024, dtype=torch.uint8))
-    finally:
-        os.close(fd)
-
-
 class Outgrowing(torch.utils.data.Dataset[Any]):
     """Sample ``i``: ``(i, width)``; batch 3 carries a wide second leaf and outgrows its slot."""
 

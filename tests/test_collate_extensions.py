@@ -5,6 +5,7 @@ after shmloader is imported, and samples that torch's collate changes as it copi
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 from collections.abc import Iterator
 from typing import Any
@@ -204,3 +205,29 @@ def test_a_registered_collate_that_draws_random_numbers_runs_once_per_batch(
         for kind in (torch.utils.data.DataLoader, shmloader.DataLoader)
     ]  # fmt: skip
     assert _same(runs[0], runs[1])
+
+
+class Checked(collections.namedtuple("Checked", "x y")):
+    """A named tuple subclass whose ``__new__`` checks its fields, as validation often does."""
+
+    __slots__ = ()
+
+    def __new__(cls, x: Any, y: Any) -> Checked:
+        if isinstance(x, torch.Tensor) and bool((x < 0).any()):
+            raise ValueError("negative coordinates")
+        return super().__new__(cls, x, y)
+
+
+class CheckedSamples(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Checked:
+        return Checked(torch.full((64,), float(i)), i)
+
+
+def test_a_named_tuple_subclass_with_its_own_new_is_collated_once() -> None:
+    """Review 21: any tuple with ``_fields`` was planned, so a subclass's ``__new__`` ran on the
+    meta placeholders: "Tensor.item() cannot be called on meta tensors"."""
+    theirs, ours = _both(CheckedSamples(), batch_size=4)
+    assert _same(theirs, ours) and type(ours[0]) is Checked

@@ -793,3 +793,31 @@ def test_workers_freeze_what_they_inherit_so_full_collections_leave_it_shared() 
     assert gc.get_freeze_count() == 0
     counts = next(iter(shmloader.DataLoader(FreezeCounts(), batch_size=4, num_workers=1)))
     assert int(counts.min()) > 1000, counts  # the inherited heap: modules, torch, the dataset
+
+
+def test_a_child_forked_after_the_loader_closed_reads_a_batch_the_parent_drops() -> None:
+    """Review 21: while a closed arena emptied each held batch's slot as the batch died
+    (review 20's attempt at giving that memory back sooner), a child forked after the close
+    (and so sharing the slot's pages), or a child's own exit, or the interpreter's, zeroed
+    batches still read. A closed arena keeps each slot held at close until the slab's last view
+    in this process goes."""
+    rows = torch.arange(40 * 1024, dtype=torch.int64).reshape(40, 1024)
+    loader = shmloader.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=4,
+                                  num_workers=2, timeout=30)  # fmt: skip
+    it = iter(loader)
+    box = [next(it)[0]]
+    other = next(it)[0]
+    expected = int(box[0].sum())
+    del it, loader
+    gc.collect()  # the arena closes, both batches held (one slab)
+    go_r, go_w = os.pipe()
+    try:
+        child = ForkedChild(lambda: (os.read(go_r, 1), int(box[0].sum()))[1], timeout=30)
+        box.clear()
+        gc.collect()  # the parent's last view of that batch goes
+        os.write(go_w, b"x")
+        assert child.result() == expected
+    finally:
+        os.close(go_r)
+        os.close(go_w)
+    assert torch.equal(other, rows[4:8])
