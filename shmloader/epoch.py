@@ -149,6 +149,7 @@ class ShmDataLoaderIter(NextBatch):
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
             self.ahead = 0
+            self.end_unseen = False
             if self._rewind_keep:  # a DevicePrefetcher's batches ahead: see rewindable()
                 self._at.log = deque(maxlen=self._rewind_keep)
                 self._progress.undo = deque(maxlen=self._rewind_keep)
@@ -174,7 +175,7 @@ class ShmDataLoaderIter(NextBatch):
         except BaseException as e:
             self._left(e, "state_dict()")
             raise
-        if self._ended and not behind:  # between epochs: the next one starts past them all
+        if self._ended and not behind and not self.end_unseen:  # between epochs
             return {
                 "epoch": self.epoch_no + 1,
                 "in_epoch": False,
@@ -228,7 +229,8 @@ class ShmDataLoaderIter(NextBatch):
         self._at.log = deque(self._at.log or (), maxlen=keep)
         self._rngs_before = deque(self._rngs_before or (), maxlen=keep)
 
-    def _batches_ahead(self, batches: int) -> None:
-        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen:
-        ``state_dict()`` counts them as not consumed."""
-        self.ahead = batches
+    def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
+        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and
+        maybe (``end_unseen``) the epoch's end, found ahead of its user: ``state_dict()`` counts
+        them as not consumed, and the epoch as not over."""
+        self.ahead, self.end_unseen = batches, end_unseen

@@ -125,10 +125,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         batches an uninterrupted run yields next. Small, picklable, ``torch.save``-able; see
         :mod:`shmloader.state` for its fields."""
         it = self._current()
-        ahead = it.ahead if it is not None else 0  # batches a DevicePrefetcher holds unseen
+        # Batches a DevicePrefetcher holds unseen, and whether it found the epoch's end ahead
+        ahead = it.ahead if it is not None else 0
+        unseen_end = it is not None and it.end_unseen
         if self._plan is not None:
             body = {k: self._plan[k] for k in S.ITER_KEYS}
-        elif it is None or (it._ended and not self.persistent_workers and not ahead):
+        elif it is None or (
+            it._ended and not self.persistent_workers and not ahead and not unseen_end
+        ):
             body = {
                 "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
                 "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],

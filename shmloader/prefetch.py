@@ -203,7 +203,7 @@ class _Prefetching:
         self.source = iter(loader)
         # A shmloader iterator counts what is held here unseen, for its loader's state_dict()
         # (per iterator: two prefetchers over one loader keep their own counts).
-        self.tell_ahead: Callable[[int], None] | None = getattr(
+        self.tell_ahead: Callable[[int, bool], None] | None = getattr(
             self.source, "_batches_ahead", None
         )
 
@@ -226,6 +226,7 @@ class _Prefetching:
                 return batch
             if self.ended:
                 self.close()
+                self._tell(end_seen=True)
                 raise StopIteration
             if self.ahead is not _NONE:
                 host, self.ahead = self.ahead, _NONE
@@ -243,10 +244,12 @@ class _Prefetching:
             except Exception as e:  # noqa: BLE001 - the loader's error, raised in its turn
                 self.queue.append(_LoaderError(e))
 
-    def _tell(self) -> None:
-        """Tell a shmloader DataLoader how many of its batches are held here unseen."""
+    def _tell(self, end_seen: bool = False) -> None:
+        """Tell a shmloader iterator how many of its batches are held here unseen, and whether
+        the epoch's end, found here, is still unseen by the user (not once it was raised)."""
         if self.tell_ahead is not None:
-            self.tell_ahead(len(self.queue) + (self.ahead is not _NONE))
+            held = len(self.queue) + (self.ahead is not _NONE)
+            self.tell_ahead(held, self.ended and not end_seen)
 
     def _hand_over(self, host: Any, device_batch: Any, event: Event) -> Any:
         try:

@@ -30,6 +30,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         self._consumed = 0
         self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
+        self.end_unseen = False  # ... and whether it found the epoch's end ahead of its user
         # While a DevicePrefetcher holds batches unseen: the global RNGs before each fetch, so
         # that a state saved behind them resumes from before their draws (rewindable()).
         self._rngs_before: deque[bytes] | None = None
@@ -117,9 +118,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._ended = True
             raise
 
-    def _batches_ahead(self, batches: int) -> None:
-        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen."""
-        self.ahead = batches
+    def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
+        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and
+        maybe the epoch's end."""
+        self.ahead, self.end_unseen = batches, end_unseen
 
     def resume_state(self, behind: int = 0) -> dict[str, Any]:
         """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as

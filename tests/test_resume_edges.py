@@ -525,6 +525,37 @@ def _indices(key: bytes) -> list[float]:
     return rows[:, 0].tolist()
 
 
+@pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent", "stateful stream"])
+def test_a_state_saved_at_an_epochs_last_batch_behind_a_prefetcher_is_mid_epoch(
+    case: str,
+) -> None:
+    """Review 22: the prefetcher, one batch ahead, had already met the epoch's end when it
+    handed out the last batch, so a state saved then said "between epochs": a loop counting its
+    own epochs resumed with the next epoch's batches where the saved run had an empty rest of
+    this one (without a prefetcher the state is mid-epoch, all consumed)."""
+    make = PREFETCHED[case]
+    per_epoch = N // 2
+    seed_all(0)
+    loader = make()
+    seen: list[bytes] = []
+    state: dict[str, Any] | None = None
+    for _ in range(2):
+        for batch in DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()):
+            seen.append(batch_bytes(batch))
+            if len(seen) == per_epoch:
+                state = roundtrip(loader.state_dict())
+    assert state is not None and (state["epoch"], state["in_epoch"]) == (0, True)
+    seed_all(12345)
+    resumed = make()
+    resumed.load_state_dict(state)
+    passes = [
+        [batch_bytes(b) for b in DevicePrefetcher(resumed, "cuda", depth=1,
+                                                  engine=CloningEngine())]
+        for _ in range(2)
+    ]  # fmt: skip
+    assert passes == [[], seen[per_epoch:]]
+
+
 def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:
     """Review 19: one count per loader, which each prefetcher overwrote: a state for the second
     prefetcher's epoch skipped the batches the first one no longer held."""
