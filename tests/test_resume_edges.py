@@ -428,28 +428,6 @@ class CloningEngine:
         pass
 
 
-class CountedStream(IterableDataset):  # type: ignore[type-arg]
-    """Stateful replicas of a shard, drawing from torch per item."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self._start = 0
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        wid, nw = _worker()
-        shard = [i for i in range(N) if i % nw == wid]
-        self.pos, self._start = self._start, 0
-        while self.pos < len(shard):
-            self.pos += 1
-            yield torch.tensor([float(shard[self.pos - 1]), torch.rand(()).item()])
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self._start = sd["pos"]
-
-
 class LazyDraws(Sampler[int]):
     """Draws each index from the global ``random`` as it is asked for (torch's samplers draw
     their permutation at once)."""
@@ -470,7 +448,7 @@ PREFETCHED: dict[str, Callable[[], DataLoader[Any]]] = {
                                      persistent_workers=True, timeout=TIMEOUT),
     "in_order=False": lambda: DataLoader(Augment(), batch_size=2, shuffle=True, num_workers=2,
                                          in_order=False, timeout=TIMEOUT),
-    "stateful stream": lambda: DataLoader(CountedStream(), batch_size=2, num_workers=2,
+    "stateful stream": lambda: DataLoader(Positioned(), batch_size=2, num_workers=2,
                                           timeout=TIMEOUT),
     "stream, no state": lambda: DataLoader(ShuffledShards(), batch_size=2, num_workers=2,
                                            persistent_workers=True, timeout=TIMEOUT),
@@ -583,7 +561,7 @@ def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:
 
 def test_a_stateful_dataset_without_workers_behind_a_device_prefetcher_says_why() -> None:
     """With num_workers=0 the dataset's own state is already past the batches held unseen."""
-    loader = DataLoader(CountedStream(), batch_size=2)
+    loader = DataLoader(Positioned(), batch_size=2)
     batches = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
     next(batches)
     with pytest.raises(RuntimeError, match=r"DevicePrefetcher holds 2 batches.*num_workers=0"):

@@ -230,15 +230,22 @@ def test_a_loader_error_comes_at_its_turn_and_iteration_goes_on(depth, loader_ki
     kind = shmloader.DataLoader if loader_kind == "shmloader" else torch.utils.data.DataLoader
     loader = kind(Rows(32, bad=True), batch_size=4, num_workers=2)
     it = iter(DevicePrefetcher(loader, "cpu", depth=depth, engine=Done()))
+    assert _first_rows_or_errors(it, ValueError) == [0, 1, 2, "ValueError", 4, 5, 6, 7]
+
+
+def _first_rows_or_errors(it, error, on_error=lambda: None):
+    """Each batch's first sample (rows of ``Rows``, 4 a batch), or the text of the ``error``
+    raised in its place (then ``on_error()``), iterating on past it as a training loop that
+    catches it would."""
     got = []
     while True:
         try:
             got.append(int(next(it)[0, 0]) // 4)
         except StopIteration:
-            break
-        except ValueError:
-            got.append("ValueError")
-    assert got == [0, 1, 2, "ValueError", 4, 5, 6, 7]
+            return got
+        except error as e:
+            got.append(str(e) if error is not ValueError else "ValueError")
+            on_error()
 
 
 def test_mappings_and_sequences_keep_their_kind_and_are_copied():
@@ -298,15 +305,11 @@ def test_an_engine_error_comes_in_its_batchs_place_at_its_turn(where):
     error lost its batch without telling the loader, whose state then counted it as held."""
     loader = shmloader.DataLoader(Rows(24), batch_size=4, num_workers=2)
     it = iter(DevicePrefetcher(loader, "cpu", depth=1, engine=FailsOnce(where)))
-    got = []
-    while True:
-        try:
-            got.append(int(next(it)[0, 0]) // 4)
-        except StopIteration:
-            break
-        except RuntimeError as e:
-            got.append(str(e))
-            assert it.source.ahead == len(it.queue) + (it.ahead is not _NONE)
+
+    def told_what_is_held():
+        assert it.source.ahead == len(it.queue) + (it.ahead is not _NONE)
+
+    got = _first_rows_or_errors(it, RuntimeError, told_what_is_held)
     assert got == [0, 1, f"{where} failed", 3, 4, 5]
 
 
