@@ -13,8 +13,16 @@ Per worker, two streams:
   the batch's answer; the main process keeps it until that batch is consumed. A resumed worker
   calls ``load_state_dict`` with it before ``iter()``; a replica without the protocol is fast-
   forwarded instead (the batches already consumed are fetched again and dropped), which is exact
-  for a replica that iterates the same way every time. Either way its RNG snapshot is restored
-  afterwards, so augmentations continue the saved stream.
+  for a replica that iterates the same way from the same RNGs: it replays from the worker's RNG
+  as the epoch's ``iter()`` found it (``epoch_rng``, taken at the worker's first consumed batch
+  of the epoch; persistent workers carry their RNG across epochs). Either way its RNG snapshot
+  is restored afterwards, so augmentations continue the saved stream. Between epochs no replica
+  state is saved: the next epoch starts from each replica's ``iter()``.
+
+A task consumed without a batch moves the RNG record too: an abandoned epoch's answers read
+ahead, and (once the epoch has ended) EXHAUSTED answers (:meth:`WorkerProgress.moved_past`).
+While a consumer holds batches unseen (a ``DevicePrefetcher``), each consumed batch's changes
+are logged (``undo``) so that a state can be taken as of before them (:meth:`behind`).
 
 For IterableDatasets the workers of the tasks in flight are saved too (``assign``, in sampler
 order, with torch's round-robin pointer after them): a replica found exhausted leaves the round
@@ -25,7 +33,8 @@ order as the uninterrupted run's.
 
 Invariant: only batches the user consumed (yielded, or raised) advance a worker's record; a
 batch that was prefetched but not consumed is produced again after a resume, never lost or
-duplicated. Costs nothing per batch for map-style datasets beyond one tuple store.
+duplicated. Costs nothing per batch for map-style datasets beyond one tuple store (and a tuple
+appended to ``undo`` while a prefetcher asked for it).
 """
 
 from __future__ import annotations
