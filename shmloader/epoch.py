@@ -48,7 +48,7 @@ from shmloader.ending import Ending
 from shmloader.host import ArenaHost
 from shmloader.nextbatch import NextBatch
 from shmloader.onethread import one_thread
-from shmloader.progress import SamplerProgress
+from shmloader.progress import SamplerProgress, last_logged
 from shmloader.sampling import fast_batches
 from shmloader.startup import start_workers
 from shmloader.state import EpochStart, skip_consumed, untouched_rngs
@@ -188,13 +188,6 @@ class ShmDataLoaderIter(NextBatch):
             }
         yielded, extra = self._at.record(d.in_order, behind)
         progress, back = self._progress.behind(behind)
-        rngs = self._rngs_before
-        if behind and (rngs is None or len(rngs) < behind):
-            raise RuntimeError(
-                f"cannot save the DataLoader's state {behind} batches behind the iterator (the "
-                "batches a DevicePrefetcher holds ahead of you): the RNG states before them "
-                "were not kept; make the DevicePrefetcher before the loader's first iter()"
-            )
         try:
             workers = progress.rng_states()
         except RuntimeError as e:
@@ -217,7 +210,7 @@ class ShmDataLoaderIter(NextBatch):
             "replicas": progress.replica_record(*d.assignment(back)),
         }
         if behind:  # the sampler's later draws start where they did before the first of them
-            body["main_rng"] = rngs[-behind]  # type: ignore[index]
+            body["main_rng"] = last_logged(self._rngs_before, behind)[0]
         return body
 
     def rewindable(self, batches: int) -> None:

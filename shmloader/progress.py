@@ -43,10 +43,26 @@ import copy
 import pickle
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from shmloader import protocol as P
 from shmloader.rngstate import RngRing
+
+T = TypeVar("T")
+
+
+def last_logged(log: deque[T] | None, batches: int) -> list[T]:
+    """The last ``batches`` entries of a log kept while a consumer holds batches unseen (a
+    ``DevicePrefetcher``): what a state saved behind them rewinds. Raises when fewer were
+    kept (the prefetcher came after the batches it holds were consumed)."""
+    kept = 0 if log is None else len(log)
+    if log is None or kept < batches:
+        raise RuntimeError(
+            f"cannot save the DataLoader's state {batches} batches behind the iterator (the "
+            f"batches a DevicePrefetcher holds ahead of you): only {kept} are recorded; make "
+            "the DevicePrefetcher before the loader's iter()"
+        )
+    return list(log)[len(log) - batches :]
 
 
 class WorkerProgress:
@@ -137,8 +153,9 @@ class WorkerProgress:
             if state is not None:
                 self.states[worker_id] = state
 
-    def _rng_now(self, worker_id: int) -> bytes | None:
-        last = self.rng_last[worker_id]
+    def _rng_now(self, worker_id: int, last: tuple[int, int] | None = None) -> bytes | None:
+        """Worker ``worker_id``'s RNG after task ``last`` (default: its last consumed one)."""
+        last = last or self.rng_last[worker_id]
         return self.rng_carry[worker_id] if last is None else self.ring.read(worker_id, *last)
 
     def rng_states(
@@ -147,27 +164,17 @@ class WorkerProgress:
         """Each worker's RNG as of its last consumed task, or past ``moved_past`` (``(seq,
         worker)`` of tasks of ``epoch`` that left nothing to consume: an ended epoch's
         EXHAUSTED answers)."""
-        view = self
-        if moved_past:
-            view = copy.copy(self)
-            view.rng_last = list(self.rng_last)
-            for seq, wid in sorted(moved_past):
-                view.rng_last[wid] = (epoch, seq)
-        return [view._rng_now(w) for w in range(len(self.rng_last))]
+        last = list(self.rng_last)
+        for seq, wid in sorted(moved_past):
+            last[wid] = (epoch, seq)
+        return [self._rng_now(w, at) for w, at in enumerate(last)]
 
     def behind(self, batches: int) -> tuple[WorkerProgress, dict[int, int]]:
         """These records as they were ``batches`` consumed batches ago (a copy), and the tasks
         of those batches (``seq -> worker``), in flight again as far as a saved state goes."""
         if not batches:
             return self, {}
-        log = self.undo
-        if log is None or len(log) < batches:
-            raise RuntimeError(
-                f"cannot save the DataLoader's state {batches} batches behind the iterator (the "
-                f"batches a DevicePrefetcher holds ahead of you): only "
-                f"{0 if log is None else len(log)} are recorded; make the DevicePrefetcher before "
-                "the loader's iter(), or lower its depth"
-            )
+        entries = last_logged(self.undo, batches)
         view = copy.copy(self)
         view.undo = None
         view.rng_last, view.batches, view.states = (
@@ -175,7 +182,7 @@ class WorkerProgress:
         )
         view._epoch_rng_due, view.epoch_rng = list(self._epoch_rng_due), list(self.epoch_rng)
         back: dict[int, int] = {}
-        for entry in reversed(list(log)[-batches:]):
+        for entry in reversed(entries):
             w, seq, last, n, st, due, rng = entry
             view.rng_last[w], view.batches[w], view.states[w] = last, n, st
             view._epoch_rng_due[w], view.epoch_rng[w] = due, rng
@@ -188,26 +195,21 @@ class WorkerProgress:
             return None
         workers = []
         for wid, (n, st) in enumerate(zip(self.batches, self.states, strict=True)):
-            entry = _replica_entry(wid, n, st)
+            entry: dict[str, Any] = {"batches": n}
+            if st is not None and st.startswith(P.UNSAVABLE):
+                raise RuntimeError(
+                    f"cannot save the DataLoader's state: worker {wid}'s dataset replica "
+                    f"state_dict() could not be taken or pickled "
+                    f"({st[len(P.UNSAVABLE):].decode(errors='replace')}); make its state_dict() "
+                    "return picklable values (numbers, strings, tensors, dicts and lists of them)"
+                )
+            if st is not None:
+                entry["state"] = pickle.loads(st)
             rng = self._rng_now(wid) if self._epoch_rng_due[wid] else self.epoch_rng[wid]
             if rng is not None:
                 entry["epoch_rng"] = rng
             workers.append(entry)
         return {"workers": workers, "assign": assign, "next_worker": next_worker}
-
-
-def _replica_entry(worker_id: int, batches: int, state: bytes | None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"batches": batches}
-    if state is not None and state.startswith(P.UNSAVABLE):
-        raise RuntimeError(
-            f"cannot save the DataLoader's state: worker {worker_id}'s dataset replica "
-            f"state_dict() could not be taken or pickled "
-            f"({state[len(P.UNSAVABLE) :].decode(errors='replace')}); make its state_dict() "
-            "return picklable values (numbers, strings, tensors, dicts and lists of them)"
-        )
-    if state is not None:
-        entry["state"] = pickle.loads(state)
-    return entry
 
 
 class SamplerProgress:
@@ -251,12 +253,7 @@ class SamplerProgress:
             return (self.count - behind, [])
         if not behind:
             return (self.prefix, sorted(self.done))
-        if self.log is None or len(self.log) < behind:
-            raise RuntimeError(
-                f"cannot save the DataLoader's state {behind} batches behind the iterator: only "
-                f"{0 if self.log is None else len(self.log)} are recorded"
-            )
-        back = set(list(self.log)[-behind:])
+        back = set(last_logged(self.log, behind))
         low = min(min(back), self.prefix)
         done = {p for p in range(low, self.prefix) if p not in back} | (self.done - back)
         return (low, sorted(done))

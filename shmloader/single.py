@@ -21,6 +21,7 @@ import torch
 
 from shmloader import rngstate
 from shmloader._torch_compat import ITERABLE_KIND
+from shmloader.progress import last_logged
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
 
 _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoaderIter
@@ -131,14 +132,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         recorded by the loader.)"""
         body: dict[str, Any] = {}
         if behind:
-            log = self._rngs_before
-            if log is None or len(log) < behind:
-                raise RuntimeError(
-                    f"cannot save the DataLoader's state {behind} batches behind the iterator "
-                    "(the batches a DevicePrefetcher holds ahead of you): their RNG states were "
-                    "not kept; make the DevicePrefetcher before the loader's iter()"
-                )
-            body["main_rng"] = log[-behind]
+            body["main_rng"] = last_logged(self._rngs_before, behind)[0]
         return body | {
             "epoch": self.epoch_no,
             "in_epoch": True,

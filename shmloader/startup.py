@@ -60,7 +60,7 @@ def start_workers(
         rng_ring,
         iterable,
         rng_carry=list(plan["workers"]) if resumed and plan["workers"] else None,  # type: ignore[index]
-        replicas=plan.get("replicas") if resumed else None,  # type: ignore[union-attr]
+        replicas=plan.get("replicas") if mid_epoch else None,  # type: ignore[union-attr]
         mid_epoch=mid_epoch,
     )
     # An IterableDataset's sampler is torch's infinite constant one: any draw is the index
