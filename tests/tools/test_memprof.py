@@ -110,9 +110,12 @@ LOADER_SCRIPT = textwrap.dedent(
     import shmloader
 
     if __name__ == "__main__":
+        # Persistent workers over 20 epochs: both live through the whole run (a few seconds),
+        # not the tenth of a second one epoch takes, which a 0.05 s sampler could miss.
         data = TensorDataset(torch.arange(4000.0).view(-1, 1))
-        loader = shmloader.DataLoader(data, batch_size=8, num_workers=2)
-        assert sum(1 for _ in loader) == 500
+        loader = shmloader.DataLoader(data, batch_size=8, num_workers=2,
+                                      persistent_workers=True)
+        assert sum(1 for _ in range(20) for _ in loader) == 20 * 500
     """
 )
 
