@@ -19,6 +19,7 @@ from arena.errors import (
 )
 from arena.segment import (
     Backend,
+    Mapping,
     Segment,
     SegmentSpec,
     forsake,
@@ -45,6 +46,7 @@ __all__ = [
     "ArraySpec",
     "Backend",
     "Descriptor",
+    "Mapping",
     "Segment",
     "SegmentSpec",
     "Slab",

@@ -416,6 +416,41 @@ def _reserve(fd: int, nbytes: int, backend: Backend) -> None:
         raise
 
 
+class Mapping:
+    """Where a segment is mapped in this process, for as long as it is: also after the segment
+    closed, while views of it keep the mapping (weak: it keeps nothing alive itself)."""
+
+    __slots__ = ("_alive", "address", "size")
+
+    def __init__(self, array: ctypes.Array[ctypes.c_char], size: int) -> None:
+        self.address = ctypes.addressof(array)
+        self.size = size
+        self._alive = weakref.ref(array)  # its finalizer unmaps the range
+
+    def held(self) -> ctypes.Array[ctypes.c_char] | None:
+        """The mapping's array (holding it keeps the range mapped), or None once unmapped."""
+        return self._alive()
+
+    def alive(self) -> bool:
+        """Whether the range is still mapped here (some view of it lives)."""
+        return self._alive() is not None
+
+    def let_go_after_fork(self, keep: list[tuple[int, int]]) -> None:
+        """In a forked child: replace the mapping, but for the ``(address, bytes)`` ranges in
+        ``keep``, by empty private pages (:func:`forsake`); nothing when it is gone. The range
+        stays reserved for the mapping's own finalizer to unmap."""
+        array = self.held()  # held for the call: the range cannot be unmapped under it
+        if array is None:
+            return
+        at, end = self.address, self.address + self.size
+        for lo, n in sorted(r for r in keep if self.address <= r[0] < end):
+            if lo > at:
+                forsake(at, lo - at)
+            at = max(at, lo + n)
+        if at < end:
+            forsake(at, end - at)
+
+
 class _Fd:
     """A descriptor that is closed at most once, by whichever of its holders gets there first
     (the segment's finalizer, or the error path of the code that made the segment: an
@@ -477,9 +512,10 @@ class Segment:
         self.backend = backend
         self.owner_pid = owner_pid
         self.buffer: memoryview = memoryview(self._mapping).cast("B")
-        self.address = ctypes.addressof(self._mapping)  # where it is mapped in this process
-        # Alive exactly while the mapping is (its finalizer unmaps it), closed or not.
-        self._mapped = weakref.ref(self._mapping)
+        # Where it is mapped in this process, while it is (its finalizer unmaps it), closed or
+        # not: what a child forked after the close lets go of (Mapping.let_go_after_fork).
+        self.mapping = Mapping(self._mapping, size)
+        self.address = self.mapping.address
 
     @classmethod
     def create(
@@ -571,15 +607,9 @@ class Segment:
         """In a forked child: stop sharing this segment, but for the ``(address, bytes)`` ranges
         in ``keep``. The rest of the mapping becomes empty private pages (:func:`forsake`) and
         the inherited descriptor is closed, so once the owner lets the memory go, this child
-        does not keep it alive. Later, this object closes nothing more in the child."""
-        if self._mapping is not None:
-            at, end = self.address, self.address + self.size
-            for lo, n in sorted(r for r in keep if self.address <= r[0] < end):
-                if lo > at:
-                    forsake(at, lo - at)
-                at = max(at, lo + n)
-            if at < end:
-                forsake(at, end - at)
+        does not keep it alive. Later, this object closes nothing more in the child. A segment
+        closed in the parent whose mapping views still keep is let go of too (review 22)."""
+        self.mapping.let_go_after_fork(keep)
         gone = self._fd_closer.detach() if self._fd_closer is not None else None
         if gone is not None:
             gone[1]()  # close the inherited copy: the owner keeps its own
@@ -591,7 +621,7 @@ class Segment:
         memory (or /dev/shm space) until written again. Works after :meth:`close` while views
         still keep the mapping. False when it cannot (the mapping is gone, or the kernel
         refuses ``MADV_REMOVE``); then nothing changed."""
-        mapping = self._mapped()  # held for the call: the range cannot be unmapped under it
+        mapping = self.mapping.held()  # held for the call: the range cannot be unmapped under it
         if mapping is None:
             return False
         return bool(_libc.madvise(self.address + offset, nbytes, mmap.MADV_REMOVE) == 0)
@@ -600,7 +630,7 @@ class Segment:
         """Fault ``[offset, offset + nbytes)`` in for writing now, as a populated mapping would
         have been (``MADV_POPULATE_WRITE``; where the kernel lacks it, pages fault on first
         write instead)."""
-        mapping = self._mapped()
+        mapping = self.mapping.held()
         if mapping is not None:
             _libc.madvise(self.address + offset, nbytes, _MADV_POPULATE_WRITE)
 

@@ -20,6 +20,12 @@ Otherwise a long-lived child (a persistent worker of another loader, a
 it back or dropped its loader, unseen by ``stats()``. (The slab of a slot a shmloader worker
 shares stays alive until that worker exits.)
 
+An arena that closes while the user still holds its batches (the loader was dropped, or
+replaced its arena) keeps each slab those batches' views map; its table leaves :data:`_tracked`
+for :data:`_closed` (:func:`track_closed`), which holds only weak references, so that a child
+forked later still copies those batches and lets go of those slabs (review 22: it kept them in
+``/dev/shm`` for its whole life, after the parent dropped the batches).
+
 Invariants:
 - Only slots lent by the forking process are copied (a grandchild's copies came with its parent),
   and only the slots of batches whose views are still alive (a slot the copy fence holds belongs
@@ -46,16 +52,26 @@ import select
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from arena import Segment, privatize, userwarn
+from arena import Mapping, Segment, privatize, userwarn
 
 if TYPE_CHECKING:
-    from shmloader.lease import Leases
+    from shmloader.lease import Lease, Leases
 
 COPY_WAIT_S = 30.0  # longest a fork waits for the child to copy the batches it inherits
 
+
+class _Closed(NamedTuple):
+    """A closed arena of process ``owner``, while a view of one of its slabs lives there."""
+
+    owner: int
+    leases: list[Lease]  # the batches lent when it closed (weak)
+    mappings: list[Mapping]  # its slabs' mappings (weak)
+
+
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
+_closed: list[_Closed] = []  # arenas closed while views of them live (track_closed)
 # Other shared memory of this process's loaders that no child reads (RNG rings) -> owner pid.
 _private: weakref.WeakKeyDictionary[Segment, int] = weakref.WeakKeyDictionary()
 # Per forking thread, from before the fork to after: the forking pid, the handshake pipe, the
@@ -67,6 +83,18 @@ _fork = threading.local()
 def track(leases: Leases) -> None:
     """Copy ``leases``' lent slots into every child this process forks from now on."""
     _tracked[leases] = os.getpid()
+
+
+def track_closed(leases: Leases) -> None:
+    """``leases``' arena has just closed in this process (its owner): a child forked from now
+    on still copies the batches lent then and lets go of the slabs their views keep mapped, for
+    as long as any of them is (after ``leases`` itself is gone too). Its slots are never reused,
+    so no fork needs to keep them (:func:`keep_lent`)."""
+    _tracked.pop(leases, None)
+    mappings = [slab.segment.mapping for slab in leases.arena.slabs()]
+    _closed[:] = [c for c in _closed if any(m.alive() for m in c.mappings)]
+    if any(m.alive() for m in mappings):
+        _closed.append(_Closed(os.getpid(), leases.live(), mappings))
 
 
 def track_private(segment: Segment) -> None:
@@ -109,21 +137,22 @@ def keep_lent() -> Callable[[], None]:
 
 
 def _lent(pid: int) -> list[tuple[int, int]]:
-    """The address ranges of the slots process ``pid`` lends, as of its last drain."""
-    return [
-        (lease.lo, lease.hi - lease.lo)
-        for leases, owner in list(_tracked.items())
-        if owner == pid
-        for lease in leases.live()
-        if lease() is not None
-    ]
+    """The address ranges of the slots process ``pid`` lends, as of its last drain, from open
+    arenas and closed ones."""
+    tables = [leases.live() for leases, owner in list(_tracked.items()) if owner == pid]
+    tables += [c.leases for c in list(_closed) if c.owner == pid]
+    return [(lease.lo, lease.hi - lease.lo) for t in tables for lease in t if lease() is not None]
 
 
 def _let_go(pid: int, keep: list[tuple[int, int]]) -> None:
-    """In a child: give up process ``pid``'s arenas but the ranges in ``keep``."""
+    """In a child: give up process ``pid``'s arenas, open or closed, but the ranges in
+    ``keep``."""
     arenas = {id(x.arena): x.arena for x, owner in list(_tracked.items()) if owner == pid}
     for arena in arenas.values():
         arena.let_go_after_fork(keep)
+    for closed in [c for c in list(_closed) if c.owner == pid]:
+        for mapping in closed.mappings:
+            mapping.let_go_after_fork(keep)
     for segment in [seg for seg, owner in list(_private.items()) if owner == pid]:
         segment.let_go_after_fork([])
 

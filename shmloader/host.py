@@ -172,9 +172,9 @@ class ArenaHost:
     def retired_held(self) -> tuple[int, int]:
         """Batches the user holds from the retired hosts before this one, and the shared memory
         those hosts still hold: one still alive (not closed) holds its whole arena and its
-        iterators' RNG rings; once closed, the slots held when it closed, in each slab a batch
-        still held keeps mapped (Leases.counter). One closed with no batch left is forgotten
-        (each removed alone: another thread may read too)."""
+        iterators' RNG rings; once closed, the slots held when it closed, in each slab a view
+        still keeps mapped (Leases.counter). One closed with nothing left is forgotten (each
+        removed alone: another thread may read too)."""
         batches, nbytes = 0, 0
         for entry in list(self.predecessors):
             count, host_ref = entry
@@ -182,7 +182,7 @@ class ArenaHost:
             host = host_ref()
             if host is not None and not host.arena.closed:
                 b = host.arena.bytes_reserved + sum(r.nbytes for r in host.rng_rings.snapshot())
-            elif not n:
+            elif not n and not b:
                 with contextlib.suppress(ValueError):
                     self.predecessors.remove(entry)
             batches, nbytes = batches + n, nbytes + b
@@ -240,3 +240,4 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
             leases.close_books()  # what the batches still held keep (Leases.counter)
         finally:
             arena.close()
+            afterfork.track_closed(leases)  # a child forked later lets go of what it keeps

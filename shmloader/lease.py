@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from arena import Arena, SlotRef
+from arena import Arena, Mapping, SlotRef
 from shmloader import protocol as P
 from shmloader.fence import CopyFence
 from shmloader.rebuild import Rebuilder
@@ -115,9 +115,10 @@ class Leases:
         # An interruption may have left these books (or the arena's) half-changed: the host is
         # retired, and at its close only what is known to be read keeps its memory (read_ranges).
         self.retired = False
-        # Per slab, the slots batches held when the arena closed (close_books); None while open.
-        # In a box of its own: counter() reads it without holding this table.
-        self.at_close: list[dict[int, int] | None] = [None]
+        # Per slab, the bytes of the slots batches held when the arena closed, and its mapping
+        # (None: kept for good); None while open (close_books). In a box of its own: counter()
+        # reads it without holding this table.
+        self.at_close: list[dict[int, tuple[int, Mapping | None]] | None] = [None]
 
     def live(self) -> list[Lease]:
         """The leases of batches lent and not yet returned (as of the last drain)."""
@@ -142,34 +143,45 @@ class Leases:
         return out
 
     def close_books(self) -> None:
-        """For an arena about to close: note, per slab, how many slots batches still hold. A
-        closed arena empties its free slots only; a held batch's slot keeps its memory until
-        the slab's last view goes (emptying it when the batch dies instead would zero what a
-        process forked since still reads), and :meth:`counter` reports exactly that."""
+        """For an arena about to close: note, per slab, the bytes of the slots batches still
+        hold. A closed arena empties its free slots only; a held batch's slot keeps its memory
+        until the slab's mapping goes with its last view (emptying it when the batch dies
+        instead would zero what a process forked since still reads), and :meth:`counter`
+        reports exactly that. A slab still page-locked (the GPU had not passed the copies from
+        it, :func:`shmloader.host._close`) stays locked, whole, until the process exits."""
         per_slab: dict[int, int] = {}
         held = [lease.slot for lease in list(self._live.values()) if lease() is not None]
         kept = [ref for q in list(self._quarantines) if q.active for ref in list(q.held)]
         for ref in held + kept:  # kept: dropped, but workers forked while lent may read them
             per_slab[ref.slab_id] = per_slab.get(ref.slab_id, 0) + 1
-        self.at_close[0] = per_slab
+        books: dict[int, tuple[int, Mapping | None]] = {}
+        for slab in self.arena.slabs():
+            if self.fence is not None and self._fenced(slab.slab_id):
+                books[slab.slab_id] = (slab.nslots * slab.slot_size, None)  # for good
+            elif slab.slab_id in per_slab:
+                nbytes = per_slab[slab.slab_id] * slab.slot_size
+                books[slab.slab_id] = (nbytes, slab.segment.mapping)
+        self.at_close[0] = books
 
     def counter(self) -> Callable[[], tuple[int, int]]:
         """A reader of the batches of this table whose views are alive, and of the shared
         memory they keep, for a retired arena (:mod:`shmloader.interrupts`): their slots while
-        the arena is open; once it closed, every slot held (or kept) then in each slab of
-        theirs, which the slab keeps while any view of it lives. It holds only the table of weak
-        references and the close record, not this object, its arena or its mappings, and reads
-        without a drain, so it touches no book an interruption may have left half-changed."""
+        the arena is open; once it closed, the slots held (or kept) then in each slab this
+        process still maps (a view of it lives: a batch, or one released early), and every
+        slab left page-locked. It holds only the table of weak references and the close record
+        (weak references to the mappings), not this object, its arena or its mappings, and
+        reads without a drain, so it touches no book an interruption may have left
+        half-changed."""
         live, box = self._live, self.at_close
 
         def count() -> tuple[int, int]:
             alive = [lease for lease in list(live.values()) if lease() is not None]
-            at_close = box[0]
-            if at_close is None:  # open: each batch's own slot
+            books = box[0]
+            if books is None:  # open: each batch's own slot
                 return len(alive), sum(lease.hi - lease.lo for lease in alive)
-            # Closed: a slab keeps the slots held when it closed while any view of it lives.
-            sizes = {lease.slot.slab_id: lease.hi - lease.lo for lease in alive}
-            return len(alive), sum(at_close.get(sid, 0) * n for sid, n in sizes.items())
+            # Closed: a slab keeps the slots held when it closed while it is mapped here.
+            mapped = [n for n, m in list(books.values()) if m is None or m.alive()]
+            return len(alive), sum(mapped)
 
         return count
 

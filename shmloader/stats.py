@@ -63,8 +63,9 @@ class LoaderStats:
       and the shared memory retired arenas still hold: a whole arena, with its iterators' RNG
       rings, while an iterator of it lives (a saved traceback can keep one:
       ``sys.last_traceback`` in IPython), then the slots held when it closed, in each slab a
-      batch you hold keeps mapped, gone with the slab's last batch. Outside the current arena
-      and its cap.
+      view you hold keeps mapped (a batch's, or one's you released early), gone with the slab's
+      last view; a slab the GPU had not passed copies from at close stays page-locked, whole,
+      until the process exits. Outside the current arena and its cap.
 
     Arena properties:
     - ``backend``: ``"posix"``, ``"memfd"``, both joined by ``+`` when slabs differ, or

@@ -190,6 +190,43 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
 
 
 @frees_its_loaders_on_failure
+def test_a_closed_slab_that_a_released_batch_keeps_mapped_stays_in_stats(
+    interrupt_once: Any,
+) -> None:
+    """Review 22: once a retired arena closed, stats() counted a slab's memory only while a
+    batch it lent was alive; a batch released early (shmloader.release) whose views the user
+    still holds keeps the slab mapped, and with it the slots held when it closed."""
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it = iter(loader)
+    released = next(it)
+    kept = [next(it)]
+    old = it._host
+    slot = old.arena.stats().slot_sizes[0]
+    assert len({lease.slot.slab_id for lease in old.leases.live()}) == 1  # both in one slab
+    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slab's memory
+    try:
+        assert shmloader.release(released, loader) == 1  # the user keeps only a reference
+        dropped = next(it)
+        interrupt_once(Leases, "_give_back", 1)  # the dropped batch's slot, on its way back
+        del dropped
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        assert old.retired
+        del it, old
+        gc.collect()
+        assert firsts(list(loader)) == ALL  # on a fresh arena; the retired one closed
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+        kept.clear()  # the released batch's views keep the slab, and the slot held at close
+        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == slot
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, slot)
+        del released
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@frees_its_loaders_on_failure
 def test_a_retired_arena_is_counted_once_when_making_its_successor_was_interrupted(
     interrupt_once: Any,
 ) -> None:

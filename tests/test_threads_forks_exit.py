@@ -821,3 +821,35 @@ def test_a_child_forked_after_the_loader_closed_reads_a_batch_the_parent_drops()
         os.close(go_r)
         os.close(go_w)
     assert torch.equal(other, rows[4:8])
+
+
+@pytest.mark.timeout(HANG_S + 30)
+@frees_its_loaders_on_failure
+def test_a_child_forked_after_the_loader_closed_copies_its_batches_and_gives_up_the_slabs() -> None:
+    """Review 22: a closed arena left the fork's books, so a child forked after the close kept
+    every slab a held batch maps (shared, and unseen by ``stats()``) for as long as its copy of
+    the batch lived, after the parent had dropped the batch. The child now copies the batches
+    held, as from an open arena, and lets go of the slabs."""
+    a = shmloader.DataLoader(
+        TorchRows(400, 4096), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(a)
+    held = [next(it) for _ in range(8)]  # the arena grows past one slab
+    slabs = _slab_files(a)
+    assert len(slabs) >= 2, "the arena did not grow"
+    held = [held[0], held[7]]
+    del it, a
+    gc.collect()  # the arena closes; the two batches held keep their slabs mapped
+    assert _of(_files_of("self"), slabs)["mapped"], "no slab is mapped: nothing to test"
+
+    def child_body() -> dict[str, Any]:
+        ok = batch_ok(*held[0], 0, 4096) and batch_ok(*held[1], 7, 4096)
+        return {"ok": ok, "files": _files_of("self")}
+
+    report = ForkedChild(child_body, HANG_S).result()
+    assert report["ok"], "the child's copies of the batches are wrong"
+    assert _of(report["files"], slabs) == NOTHING, "the child kept the closed arena's slabs"
+    assert batch_ok(*held[0], 0, 4096) and batch_ok(*held[1], 7, 4096)
+    held.clear()
+    gc.collect()
+    assert _of(_files_of("self"), slabs) == NOTHING
