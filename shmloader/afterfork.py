@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from arena import Mapping, Segment, privatize, userwarn
+from shmloader.lease import Quarantine
 
 if TYPE_CHECKING:
     from shmloader.lease import Lease, Leases
@@ -68,6 +69,7 @@ class _Closed(NamedTuple):
     owner: int
     leases: list[Lease]  # the batches lent when it closed (weak)
     mappings: list[Mapping]  # its slabs' mappings (weak)
+    kept: list[Quarantine]  # its table's quarantines, which its stats count (Leases.counter)
 
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
@@ -89,12 +91,14 @@ def track_closed(leases: Leases) -> None:
     """``leases``' arena has just closed in this process (its owner): a child forked from now
     on still copies the batches lent then and lets go of the slabs their views keep mapped, for
     as long as any of them is (after ``leases`` itself is gone too). Its slots are never reused,
-    so no fork needs to keep them (:func:`keep_lent`)."""
-    _tracked.pop(leases, None)
+    so a fork keeps them from nothing; but the shmloader workers it forks share them, and
+    :func:`keep_lent` says so to the table's stats. The table is in ``_tracked`` or in
+    ``_closed`` at every step (an interruption here must not lose it: review 24)."""
     mappings = [slab.segment.mapping for slab in leases.arena.slabs()]
     _closed[:] = [c for c in _closed if any(m.alive() for m in c.mappings)]
     if any(m.alive() for m in mappings):
-        _closed.append(_Closed(os.getpid(), leases.live(), mappings))
+        _closed.append(_Closed(os.getpid(), leases.live(), mappings, leases.quarantines))
+    _tracked.pop(leases, None)
 
 
 def track_private(segment: Segment) -> None:
@@ -119,7 +123,9 @@ def forking_workers() -> Iterator[None]:
 def keep_lent() -> Callable[[], None]:
     """Every loader of this process keeps the slots it lends now from reuse (before forking
     shmloader workers, or a child that copies them). Returns the function that lets them go once
-    no child needs them (safe to call from a finalizer, and more than once)."""
+    no child needs them (safe to call from a finalizer, and more than once). A closed arena's
+    slots are never reused, but while such children live they share those lent now, and its
+    stats count them (:meth:`~shmloader.lease.Leases.counter`)."""
     pid = os.getpid()
     kept = [
         (leases, q)
@@ -128,10 +134,20 @@ def keep_lent() -> Callable[[], None]:
         for q in [leases.quarantine()]
         if q is not None
     ]
+    shared = []
+    for closed in [c for c in list(_closed) if c.owner == pid]:
+        refs = [lease.slot for lease in closed.leases if lease() is not None]
+        if refs:
+            shared.append((closed.kept, Quarantine(refs)))
+            closed.kept.append(shared[-1][1])
 
     def lift() -> None:
         for leases, q in kept:
             leases.lift(q)
+        for quarantines, q in shared:
+            q.active = False
+            with contextlib.suppress(ValueError):
+                quarantines.remove(q)
 
     return lift
 

@@ -85,6 +85,22 @@ class Quarantine:
         self.active = True
 
 
+class ClosedSlab(NamedTuple):
+    """A slab of a closed arena, for :meth:`Leases.counter`."""
+
+    held: int  # bytes of the slots held (or kept) when it closed
+    slot_size: int
+    mapping: Mapping | None  # this process's mapping (weak); None: kept whole for good
+
+
+class ClosedBooks(NamedTuple):
+    """What a closed arena keeps: its slabs, and the quarantines of the shmloader workers that
+    may share its slots (the table's own list: :mod:`shmloader.afterfork` adds to it)."""
+
+    slabs: dict[int, ClosedSlab]
+    kept: list[Quarantine]
+
+
 def _held_ranges(live: dict[int, Lease]) -> list[tuple[int, int]]:
     """The ``(address, bytes)`` of the slots of the leases in ``live`` whose views are alive."""
     return [(lease.lo, lease.hi - lease.lo) for lease in list(live.values()) if lease() is not None]
@@ -106,7 +122,7 @@ class Leases:
         self.fence = fence  # None: slots go back as soon as their batch is gone
         self._fenced = fenced  # whether a slab's slots go through the fence (it is page-locked)
         self.dead: deque[Lease | SlotRef | Quarantine] = deque()  # appended from callbacks
-        self._quarantines: list[Quarantine] = []  # active, or lifted and not yet drained
+        self.quarantines: list[Quarantine] = []  # active, or lifted and not yet drained
         self.rebuilder = Rebuilder()
         self._live: dict[int, Lease] = {}  # id -> lease (a weakref hashes as its referent)
         self._by_key: dict[int, Lease] = {}
@@ -115,10 +131,9 @@ class Leases:
         # An interruption may have left these books (or the arena's) half-changed: the host is
         # retired, and at its close only what is known to be read keeps its memory (read_ranges).
         self.retired = False
-        # Per slab, the bytes of the slots batches held when the arena closed, and its mapping
-        # (None: kept for good); None while open (close_books). In a box of its own: counter()
-        # reads it without holding this table.
-        self.at_close: list[dict[int, tuple[int, Mapping | None]] | None] = [None]
+        # What the arena keeps once closed (close_books); None while open. In a box of its own:
+        # counter() reads it without holding this table.
+        self.at_close: list[ClosedBooks | None] = [None]
 
     def live(self) -> list[Lease]:
         """The leases of batches lent and not yet returned (as of the last drain)."""
@@ -135,7 +150,7 @@ class Leases:
         not yet lifted). Read from the weak references and the quarantines, not the books."""
         out = _held_ranges(self._live)
         slabs = {slab.slab_id: slab for slab in self.arena.slabs()}
-        for q in list(self._quarantines):
+        for q in list(self.quarantines):
             for ref in list(q.refs) if q.active else []:
                 slab = slabs.get(ref.slab_id)
                 if slab is not None:
@@ -151,27 +166,30 @@ class Leases:
         it, :func:`shmloader.host._close`) stays locked, whole, until the process exits."""
         per_slab: dict[int, int] = {}
         held = [lease.slot for lease in list(self._live.values()) if lease() is not None]
-        kept = [ref for q in list(self._quarantines) if q.active for ref in list(q.held)]
+        kept = [ref for q in list(self.quarantines) if q.active for ref in list(q.held)]
         for ref in held + kept:  # kept: dropped, but workers forked while lent may read them
             per_slab[ref.slab_id] = per_slab.get(ref.slab_id, 0) + 1
-        books: dict[int, tuple[int, Mapping | None]] = {}
+        slabs: dict[int, ClosedSlab] = {}
         for slab in self.arena.slabs():
+            size = slab.slot_size
             if self.fence is not None and self._fenced(slab.slab_id):
-                books[slab.slab_id] = (slab.nslots * slab.slot_size, None)  # for good
-            elif slab.slab_id in per_slab:
-                nbytes = per_slab[slab.slab_id] * slab.slot_size
-                books[slab.slab_id] = (nbytes, slab.segment.mapping)
-        self.at_close[0] = books
+                slabs[slab.slab_id] = ClosedSlab(slab.nslots * size, size, None)  # for good
+            else:
+                nbytes = per_slab.get(slab.slab_id, 0) * size
+                slabs[slab.slab_id] = ClosedSlab(nbytes, size, slab.segment.mapping)
+        self.at_close[0] = ClosedBooks(slabs, self.quarantines)
 
     def counter(self) -> Callable[[], tuple[int, int]]:
         """A reader of the batches of this table whose views are alive, and of the shared
         memory they keep, for a retired arena (:mod:`shmloader.interrupts`): their slots while
         the arena is open; once it closed, the slots held (or kept) then in each slab this
-        process still maps (a view of it lives: a batch, or one released early), and every
-        slab left page-locked. It holds only the table of weak references and the close record
-        (weak references to the mappings), not this object, its arena or its mappings, and
-        reads without a drain, so it touches no book an interruption may have left
-        half-changed."""
+        process still maps (a view of it lives: a batch, or one released early), every slab
+        left page-locked, and in the other slabs the slots shmloader workers forked while they
+        were lent still share (review 24: a quarantine outlives the close, and one starts
+        after it, :func:`shmloader.afterfork.keep_lent`). It holds only the table of weak
+        references and the close record (weak references to the mappings), not this object,
+        its arena or its mappings, and reads without a drain, so it touches no book an
+        interruption may have left half-changed."""
         live, box = self._live, self.at_close
 
         def count() -> tuple[int, int]:
@@ -179,9 +197,19 @@ class Leases:
             books = box[0]
             if books is None:  # open: each batch's own slot
                 return len(alive), sum(lease.hi - lease.lo for lease in alive)
-            # Closed: a slab keeps the slots held when it closed while it is mapped here.
-            mapped = [n for n, m in list(books.values()) if m is None or m.alive()]
-            return len(alive), sum(mapped)
+            # Closed: a slab keeps the slots held when it closed while it is mapped here, and
+            # live workers keep the slots they share.
+            slabs = books.slabs
+            here = {sid for sid, c in slabs.items() if c.mapping is None or c.mapping.alive()}
+            shared = {
+                ref
+                for q in list(books.kept)
+                if q.active
+                for ref in list(q.refs)
+                if ref.slab_id in slabs and ref.slab_id not in here
+            }
+            nbytes = sum(slabs[sid].held for sid in here)
+            return len(alive), nbytes + sum(slabs[ref.slab_id].slot_size for ref in shared)
 
         return count
 
@@ -189,14 +217,14 @@ class Leases:
     def kept(self) -> int:
         """Slots whose batch is gone, kept from reuse while workers forked with them live.
         (Read from copies, without the lock: also safe where :meth:`busy_here`.)"""
-        return sum(len(q.held) for q in list(self._quarantines))
+        return sum(len(q.held) for q in list(self.quarantines))
 
     @property
     def kept_bytes(self) -> int:
         """Bytes of the slots counted in :attr:`kept`."""
         return sum(
             (self._slabs.get(ref.slab_id) or self._map(ref.slab_id))[1]
-            for q in list(self._quarantines)
+            for q in list(self.quarantines)
             for ref in list(q.held)
         )
 
@@ -228,7 +256,7 @@ class Leases:
             if not refs:
                 return None
             q = Quarantine(refs)
-            self._quarantines.append(q)
+            self.quarantines.append(q)
             return q
 
     def lift(self, q: Quarantine) -> None:
@@ -240,7 +268,7 @@ class Leases:
     def _give_back(self, ref: SlotRef, kept: int = 0) -> int:
         """Release a slot whose batch is gone, unless live workers may still read it; how many
         slots went back (``kept`` when it was kept)."""
-        for q in self._quarantines:
+        for q in self.quarantines:
             if q.active and ref in q.refs:
                 q.held.append(ref)
                 return kept
@@ -336,8 +364,8 @@ class Leases:
                 self._forget(x)
                 n += self._give_back(x.slot)
             elif isinstance(x, Quarantine):  # lifted: its workers are gone
-                if x in self._quarantines:
-                    self._quarantines.remove(x)  # (another iterator's workers may still read)
+                if x in self.quarantines:
+                    self.quarantines.remove(x)  # (another iterator's workers may still read)
                     n += sum(self._give_back(ref) for ref in x.held)
             else:
                 n += self.arena.release(x)  # a slot never lent: no copy can read it

@@ -226,6 +226,37 @@ def test_a_closed_slab_that_a_released_batch_keeps_mapped_stays_in_stats(
             os.close(fd)
 
 
+@pytest.mark.parametrize("workers_first", [False, True])
+@frees_its_loaders_on_failure
+def test_a_closed_slot_that_workers_forked_while_it_was_held_share_stays_in_stats(
+    interrupt_once: Any, workers_first: bool
+) -> None:
+    """Review 24: once a retired arena closed, stats() counted a slot only while this process
+    mapped its slab; the next iterator's workers, forked while the batch was held (after the
+    close, or before it), share the slot and keep it after the batch is dropped, until they
+    exit."""
+    loader, it, old, slot, kept = _retired_holding(interrupt_once, 1)
+    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slab's memory
+    try:
+        if workers_first:
+            it2 = iter(loader)  # its workers are forked while the batch is held
+        del it, old
+        gc.collect()  # the retired arena closes, its batch held
+        if not workers_first:
+            it2 = iter(loader)
+        assert firsts([next(it2)]) == ALL[:1]
+        kept.clear()  # this process maps the old slab no more; the workers still do
+        gc.collect()
+        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == slot
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, slot)
+        del it2
+        gc.collect()  # its workers are gone
+        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 @frees_its_loaders_on_failure
 def test_a_retired_arena_is_counted_once_when_making_its_successor_was_interrupted(
     interrupt_once: Any,
