@@ -81,17 +81,15 @@ class Gatherer:
 
     def concat(self, shard: np.ndarray, single: int | None, start: np.ndarray,
                end: np.ndarray) -> bytes:
-        """The byte ranges ``[start[r], end[r])`` of shard ``shard[r]``, back to back."""
-        lengths = end - start
-        total = int(lengths.sum())
-        if total == 0:
-            return b""
-        first = np.cumsum(lengths) - lengths
-        addr = np.repeat(start, lengths) + np.arange(total, dtype=np.int64) - np.repeat(
-            first, lengths)
-        out = torch.empty((total, 1), dtype=torch.uint8)
-        self.rows(out, np.repeat(shard, lengths) if single is None else shard, single, addr, 1)
-        return out.numpy().tobytes()
+        """The byte ranges ``[start[r], end[r])`` of shard ``shard[r]``, back to back: one
+        slice of the mapping per row (review 23: gathering byte by byte took 11x the batch's
+        bytes in addresses, and 20-90x the time, on image-sized rows)."""
+        spans = zip(start.tolist(), end.tolist(), strict=True)
+        if single is not None:
+            data = self.shards[single].bytes()
+            return b"".join([data[a:b] for a, b in spans])
+        views = [s.bytes() for s in self.shards]
+        return b"".join([views[k][a:b] for k, (a, b) in zip(shard.tolist(), spans, strict=True)])
 
 
 class Plan:
@@ -222,7 +220,9 @@ class VarListPlan(Plan):
             flat = torch.empty((total,), dtype=self.dtype)
             self._fill(flat, w, g, start, lengths, total)
             mask = torch.arange(longest) < torch.from_numpy(lengths)[:, None]
-            padded[mask] = flat
+            # As bits of the same width: torch has no masked store for uint16/32/64 (review 23).
+            carrier = CARRIERS[self.dtype.itemsize]
+            padded.view(carrier)[mask] = flat.view(carrier)
         if not lens.is_meta:
             lens.copy_(torch.from_numpy(lengths))
         return padded, lens

@@ -15,7 +15,8 @@ Invariants:
   selected columns differ in type, a missing, duplicated or unsupported column, and any null
   outside a string or binary column (those give ``None``, as ``Table.to_pylist`` does).
   Afterwards a gather can fail only on an index out of range (``IndexError``, however large the
-  index) or a file changed on disk.
+  index), an index that is not an integer (``TypeError``, as for a list) or a file changed on
+  disk.
 - Pickling carries :class:`ShardSpec` records (absolute paths, identities and the opening
   process's descriptors; an in-memory table's IPC bytes), the column names and the transform;
   never a mapped buffer.
@@ -28,9 +29,11 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
-from collections.abc import Callable, Sequence
+import resource
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -57,11 +60,12 @@ class ArrowDataset(Dataset[dict[str, Any]]):
 
     Args:
         source: the path of an Arrow IPC file or stream file, a list of such paths (shards,
-            concatenated in order), or an in-memory ``pyarrow.Table``. A table is serialised
-            once into an IPC buffer (one copy of its bytes); workers started by fork share it,
-            but spawn and forkserver workers each receive a pickled copy — write the table to a
-            file (``pyarrow.feather.write_feather(table, path, compression="uncompressed")``)
-            for low-RAM jobs.
+            concatenated in order), or an in-memory ``pyarrow.Table`` (or ``RecordBatch``). A
+            table's selected columns are serialised once into an IPC buffer (one copy of their
+            bytes); workers started by fork share it, but spawn and forkserver workers each
+            receive a pickled copy — write the table to a file
+            (``pyarrow.feather.write_feather(table, path, compression="uncompressed")``) for
+            low-RAM jobs.
         columns: the columns to read, in this order (default: all).
         transform: called on each item (a dict) in ``ds[i]`` and ``__getitems__``, e.g. to decode
             an encoded image. With a transform, batches are collated item by item.
@@ -78,19 +82,22 @@ class ArrowDataset(Dataset[dict[str, Any]]):
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of column names, got the string {columns!r}")
         if columns is not None:
-            twice = sorted({c for c in columns if list(columns).count(c) > 1})
+            columns = list(columns)  # once: a generator is used up by reading it (review 23)
+            twice = sorted({c for c in columns if columns.count(c) > 1})
             if twice:
                 raise ValueError(f"columns= lists {', '.join(map(repr, twice))} more than once")
+        if isinstance(source, pa.RecordBatch):
+            source = pa.Table.from_batches([source])
         if isinstance(source, pa.Table):
-            shards = [Shard.from_table(source)]
+            shards = [Shard.from_table(_selected(source, columns))]
         elif isinstance(source, str | os.PathLike):
             shards = [Shard.from_path(source)]
         else:
-            paths = list(source)
+            paths = _paths(source)
             if not paths:
                 raise ValueError("ArrowDataset needs at least one source path, got an empty list")
-            shards = [Shard.from_path(p) for p in paths]
-        self._setup(shards, None if columns is None else list(columns), transform)
+            shards = [_open_shard(p, k, len(paths)) for k, p in enumerate(paths)]
+        self._setup(shards, columns, transform)
 
     def _setup(self, shards: list[Shard], columns: list[str] | None,
                transform: Callable[[dict[str, Any]], Any] | None) -> None:
@@ -203,14 +210,22 @@ class ArrowDataset(Dataset[dict[str, Any]]):
     # -- gathering -------------------------------------------------------------------------------
 
     def _where(self, indices: Sequence[int]) -> Where:
-        try:
-            idx = np.array(indices, dtype=np.int64).reshape(-1)
-        except OverflowError:  # beyond int64: out of range, as for a list (not OverflowError)
-            huge = next(i for i in map(operator.index, indices) if not -(2**63) <= i < 2**63)
-            raise IndexError(
-                f"ArrowDataset index {huge} out of range for {self._len} rows "
-                f"({self._shards[0].name})"
-            ) from None
+        given = np.asarray(indices)
+        if given.dtype.kind in "biu" and not (given.dtype.kind == "u" and given.itemsize == 8):
+            idx = given.astype(np.int64).reshape(-1)
+        elif given.size == 0:
+            idx = np.zeros(0, dtype=np.int64)
+        else:  # as a list indexes: integers only, however large (review 23: 1.7 read row 1)
+            # (the given objects: NumPy turns [1, 2**63] into floats)
+            items = indices.tolist() if hasattr(indices, "tolist") else list(indices)
+            whole = [operator.index(i) for i in items]
+            huge = [i for i in whole if not -(2**63) <= i < 2**63]
+            if huge:  # beyond int64: out of range, as for a list (not OverflowError)
+                raise IndexError(
+                    f"ArrowDataset index {huge[0]} out of range for {self._len} rows "
+                    f"({self._shards[0].name})"
+                )
+            idx = np.array(whole, dtype=np.int64)
         idx = np.where(idx < 0, idx + self._len, idx)
         bad = np.flatnonzero((idx < 0) | (idx >= self._len))
         if len(bad):
@@ -236,6 +251,55 @@ class ArrowDataset(Dataset[dict[str, Any]]):
         batch = self._collate(where, _torch_empty, "rows")
         parts = {c: p.split(batch[c], len(where)) for c, p in self._plans.items()}
         return [{c: v[r] for c, v in parts.items()} for r in range(len(where))]
+
+
+def _selected(table: pa.Table, columns: list[str] | None) -> pa.Table:
+    """The columns of ``table`` the dataset reads, before it is serialised (review 23: the
+    others travelled to every spawn worker); the whole table when one is missing or listed
+    twice, for :meth:`ArrowDataset._setup` to say so."""
+    names = table.schema.names
+    if columns is None or any(names.count(c) != 1 for c in columns):
+        return table
+    return table.select(columns)
+
+
+def _paths(source: Any) -> list[str | os.PathLike[str]]:
+    """The shard paths of a list source; a TypeError naming what ArrowDataset takes for
+    anything else (review 23: a dict's keys were read as paths, bytes as integers)."""
+    taken = "a path, a list of paths, or a pyarrow.Table (or RecordBatch)"
+    if isinstance(source, bytes | bytearray | Mapping):
+        raise TypeError(f"ArrowDataset source must be {taken}, got {type(source).__name__}")
+    try:
+        paths = list(source)
+    except TypeError:
+        raise TypeError(
+            f"ArrowDataset source must be {taken}, got {type(source).__name__}"
+        ) from None
+    for p in paths:
+        if not isinstance(p, str | os.PathLike):
+            raise TypeError(
+                f"ArrowDataset source must be {taken}; the list holds a {type(p).__name__}: {p!r}"
+            )
+    return paths
+
+
+def _open_shard(path: str | os.PathLike[str], k: int, count: int) -> Shard:
+    """Shard ``k`` of ``count``; running out of descriptors says how many shards need one
+    each, and the limit (review 23)."""
+    try:
+        return Shard.from_path(path)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise OSError(
+            errno.EMFILE,
+            f"opening shard {k + 1} of {count} ({os.fspath(path)}): this process is out of file "
+            f"descriptors (ulimit -n: {soft}); ArrowDataset keeps one open per shard, so "
+            f"{count} shards need {count} besides the job's own: raise the limit (ulimit -n, "
+            f"resource.setrlimit(RLIMIT_NOFILE)) or merge shards with `python -m tools.pack "
+            f"SHARDS... -o OUT.arrow`",
+        ) from exc
 
 
 def _restore(specs: list[ShardSpec], columns: list[str],

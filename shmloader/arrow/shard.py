@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import warnings
@@ -127,7 +128,13 @@ def _reopen(spec: ShardSpec) -> tuple[int, str]:
                 pass
             os.close(fd)
             how = f"its path (descriptor {spec.fd} of pid {spec.owner_pid} names another file now)"
-    return os.open(spec.name, os.O_RDONLY | os.O_CLOEXEC), how
+    return _open(spec.name), how
+
+
+def _open(name: str) -> int:
+    """A descriptor of the file at ``name``. Never blocks: opening a FIFO for reading would
+    wait for a writer (review 23); it is refused as "not a regular file" afterwards instead."""
+    return os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
 
 
 class Shard:
@@ -141,6 +148,7 @@ class Shard:
         self.name = spec.name
         self._carriers: dict[int, torch.Tensor] = {}
         self._windows: dict[tuple[int, int], torch.Tensor] = {}
+        self._bytes: memoryview | None = None
         if spec.ipc is not None:
             self.buffer = spec.ipc
         else:
@@ -155,7 +163,7 @@ class Shard:
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> Shard:
         name = _absolute(path)
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open(name)
         try:
             st = os.fstat(fd)
         except BaseException:
@@ -166,8 +174,16 @@ class Shard:
     @classmethod
     def from_table(cls, table: pa.Table) -> Shard:
         sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
+        try:
+            with pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            # e.g. a dictionary column whose chunks have different dictionaries (review 23)
+            raise ArrowSourceError(
+                f"{IN_MEMORY}: cannot write the table as Arrow IPC ({exc}); pass columns=[...] "
+                f"without the column at fault, or convert it first (a dictionary column: "
+                f"table.column(name).cast(its value type), or pack the table with tools.pack)"
+            ) from exc
         return cls(ShardSpec(IN_MEMORY, None, sink.getvalue()))
 
     # -- opening --------------------------------------------------------------------------------
@@ -176,6 +192,10 @@ class Shard:
         how = "its path"
         if fd < 0:
             fd, how = _reopen(spec)
+            # Copies of this shard reach the file through this process's descriptor from now
+            # on: the one named in ``spec`` may be closed, or name another file, by then
+            # (review 23: a deep copy outlived its original).
+            self.spec = dataclasses.replace(spec, owner_pid=os.getpid(), fd=fd)
         self._fd = fd
         on_death(self, os.close, fd)
         self.check_unchanged(f"since it was opened (re-opened through {how})")
@@ -250,6 +270,12 @@ class Shard:
                 warnings.simplefilter("ignore", UserWarning)
                 flat = self._carriers[itemsize] = torch.from_numpy(array)
         return flat
+
+    def bytes(self) -> memoryview:
+        """The whole mapping as bytes (read-only; slices of it are copied out, never kept)."""
+        if self._bytes is None:
+            self._bytes = memoryview(self.buffer)
+        return self._bytes
 
     def window(self, itemsize: int, n: int) -> torch.Tensor:
         """Rows of ``n`` carrier elements starting at every element (overlapping, read-only)."""
