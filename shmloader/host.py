@@ -208,12 +208,16 @@ CLOSE_SETTLE_S = 60.0  # at close, the longest wait for the GPU's copies from th
 def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
     if os.getpid() != pid:
         return  # inherited through fork(): the owner closes its own
-    # Slots of batches that died since the last drain go back first: the arena's close then
-    # hollows every free slot, so a slab a held view (or a forked child) keeps alive keeps only
-    # the memory of the slots still held.
-    leases.drain()
     fence = leases.fence
     try:
+        # Slots of batches that died since the last drain go back first: the arena's close then
+        # hollows every free slot, so a slab a held view (or a forked child) keeps alive keeps
+        # only the memory of the slots still held.
+        try:
+            leases.drain()
+        except BaseException:  # interrupted: the books may be half-changed (review 25)
+            leases.retired = True
+            raise
         stuck = False
         if fence:
             # Copies still queued from the slabs finish before they are unlocked. At interpreter
@@ -239,5 +243,7 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
                 arena.empty_all_but(leases.read_ranges())
             leases.close_books()  # what the batches still held keep (Leases.counter)
         finally:
-            arena.close()
-            afterfork.track_closed(leases)  # a child forked later lets go of what it keeps
+            try:
+                arena.close()
+            finally:
+                afterfork.track_closed(leases)  # a child forked later lets go of what it keeps

@@ -89,7 +89,6 @@ class ClosedSlab(NamedTuple):
     """A slab of a closed arena, for :meth:`Leases.counter`."""
 
     held: int  # bytes of the slots held (or kept) when it closed
-    slot_size: int
     mapping: Mapping | None  # this process's mapping (weak); None: kept whole for good
 
 
@@ -164,29 +163,34 @@ class Leases:
         instead would zero what a process forked since still reads), and :meth:`counter`
         reports exactly that. A slab still page-locked (the GPU had not passed the copies from
         it, :func:`shmloader.host._close`) stays locked, whole, until the process exits."""
+        now = self.arena.slabs()
+        whole = {s.slab_id: ClosedSlab(s.nslots * s.slot_size, s.segment.mapping) for s in now}
+        # Each slab whole until counted below: an interruption must not leave the closed arena
+        # counted as an open one (one slot per batch, no workers' slots; review 25).
+        self.at_close[0] = ClosedBooks(whole, self.quarantines)
         per_slab: dict[int, int] = {}
         held = [lease.slot for lease in list(self._live.values()) if lease() is not None]
         kept = [ref for q in list(self.quarantines) if q.active for ref in list(q.held)]
         for ref in held + kept:  # kept: dropped, but workers forked while lent may read them
             per_slab[ref.slab_id] = per_slab.get(ref.slab_id, 0) + 1
         slabs: dict[int, ClosedSlab] = {}
-        for slab in self.arena.slabs():
-            size = slab.slot_size
-            if self.fence is not None and self._fenced(slab.slab_id):
-                slabs[slab.slab_id] = ClosedSlab(slab.nslots * size, size, None)  # for good
+        for slab in now:
+            sid = slab.slab_id
+            if self.fence is not None and self._fenced(sid):
+                slabs[sid] = ClosedSlab(whole[sid].held, None)  # for good
             else:
-                nbytes = per_slab.get(slab.slab_id, 0) * size
-                slabs[slab.slab_id] = ClosedSlab(nbytes, size, slab.segment.mapping)
+                slabs[sid] = ClosedSlab(per_slab.get(sid, 0) * slab.slot_size, whole[sid].mapping)
         self.at_close[0] = ClosedBooks(slabs, self.quarantines)
 
     def counter(self) -> Callable[[], tuple[int, int]]:
         """A reader of the batches of this table whose views are alive, and of the shared
         memory they keep, for a retired arena (:mod:`shmloader.interrupts`): their slots while
-        the arena is open; once it closed, the slots held (or kept) then in each slab this
-        process still maps (a view of it lives: a batch, or one released early), every slab
-        left page-locked, and in the other slabs the slots shmloader workers forked while they
-        were lent still share (review 24: a quarantine outlives the close, and one starts
-        after it, :func:`shmloader.afterfork.keep_lent`). It holds only the table of weak
+        the arena is open; once it closed, the slots held (or kept) then in each slab that is
+        still mapped: here (a view of it lives: a batch, or one released early), or by
+        shmloader workers forked while its batches were lent (review 24: a quarantine outlives
+        the close, and one starts after it, :func:`shmloader.afterfork.keep_lent`; review 25:
+        a worker's mapping of one slot keeps the whole file), and every slab left page-locked.
+        It holds only the table of weak
         references and the close record (weak references to the mappings), not this object,
         its arena or its mappings, and reads without a drain, so it touches no book an
         interruption may have left half-changed."""
@@ -197,19 +201,15 @@ class Leases:
             books = box[0]
             if books is None:  # open: each batch's own slot
                 return len(alive), sum(lease.hi - lease.lo for lease in alive)
-            # Closed: a slab keeps the slots held when it closed while it is mapped here, and
-            # live workers keep the slots they share.
-            slabs = books.slabs
-            here = {sid for sid, c in slabs.items() if c.mapping is None or c.mapping.alive()}
-            shared = {
-                ref
-                for q in list(books.kept)
-                if q.active
-                for ref in list(q.refs)
-                if ref.slab_id in slabs and ref.slab_id not in here
-            }
-            nbytes = sum(slabs[sid].held for sid in here)
-            return len(alive), nbytes + sum(slabs[ref.slab_id].slot_size for ref in shared)
+            # Closed: a slab keeps the slots held when it closed while anything maps it: this
+            # process, or live workers sharing some of its slots.
+            shared = {ref.slab_id for q in list(books.kept) if q.active for ref in list(q.refs)}
+            mapped = [
+                c.held
+                for sid, c in list(books.slabs.items())
+                if sid in shared or c.mapping is None or c.mapping.alive()
+            ]
+            return len(alive), sum(mapped)
 
         return count
 

@@ -101,10 +101,19 @@ def start_workers(
         )
         for i in range(nw)
     ]
-    # A supervisor that fails to start tears itself down, and so calls on_exit itself.
-    on_exit = afterfork.keep_lent() if ctx.get_start_method() == "fork" else None
-    with afterfork.forking_workers():
-        sup = Supervisor(ctx, configs, on_exit)
+    # A supervisor that fails to start tears itself down, and so calls on_exit itself; one
+    # interrupted before it got that far calls nothing (review 25: the slots kept for workers
+    # never forked stayed kept for good), so on_exit runs here too (a second call does nothing).
+    on_exit = None
+    try:
+        if ctx.get_start_method() == "fork":
+            on_exit = afterfork.keep_lent()
+        with afterfork.forking_workers():
+            sup = Supervisor(ctx, configs, on_exit)
+    except BaseException:
+        if on_exit is not None:
+            on_exit()
+        raise
     host.worker_pids = tuple(sup.pids)
     if host.export is not None:
         host.export.write({"kind": "workers", "pids": list(sup.pids)})

@@ -91,7 +91,7 @@ class Supervisor:
     def __init__(
         self, ctx: Any, configs: list[WorkerConfig], on_exit: Callable[[], None] | None = None
     ) -> None:
-        self._on_exit = on_exit  # called once, when teardown has ended every worker
+        self._on_exit = on_exit  # called when teardown has ended every worker (idempotent)
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.retired: set[int] = set()
@@ -107,8 +107,9 @@ class Supervisor:
         # (shmloader.interrupts); whoever catches one resets it.
         self.polling = False
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
-        # registered its teardown) are killed and reaped, not left running.
-        on_death(self, _end_unstopped, os.getpid(), self.procs)
+        # registered its teardown) are killed and reaped, not left running, and the slots kept
+        # for them come back (review 25).
+        on_death(self, _end_unstopped, os.getpid(), self.procs, on_exit)
         try:
             forked = ctx.get_start_method() == "fork"
             for cfg in configs:
@@ -345,9 +346,11 @@ _CLOSED = (
 )
 
 
-def _end_unstopped(pid: int, procs: list[Any]) -> None:
+def _end_unstopped(pid: int, procs: list[Any], on_exit: Callable[[], None] | None) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs)
+        if on_exit is not None:  # (after shutdown() already called it: a second call is a no-op)
+            on_exit()
 
 
 def _kill_and_reap(procs: list[Any]) -> None:
