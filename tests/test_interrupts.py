@@ -9,11 +9,12 @@ its workers stopped; iterating the loader again starts over (``shmloader.interru
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -42,6 +43,24 @@ def firsts(batches: list[torch.Tensor]) -> list[int]:
 
 
 ALL = list(range(0, 40, 4))
+
+
+def retired(loader: shmloader.DataLoader[Any]) -> tuple[int, int]:
+    st = loader.stats()
+    return st.batches_retired, st.bytes_retired
+
+
+@contextlib.contextmanager
+def slab_memory(host: ArenaHost) -> Iterator[Callable[[], int]]:
+    """A reader of the memory the kernel holds for ``host``'s slabs, also after they close
+    (through descriptors of its own, closed on leaving)."""
+    fds = [os.dup(s.segment._fd) for s in host.arena.slabs()]
+    del host  # (this frame must not keep the host, and so its arena, alive)
+    try:
+        yield lambda: sum(os.fstat(fd).st_blocks * 512 for fd in fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class Alarm(Exception):
@@ -147,10 +166,10 @@ def test_a_retired_arena_its_iterator_keeps_whole_is_in_stats_whole(interrupt_on
     assert st.bytes_retired == allocated + rings > slot  # what the kernel holds for it
     del it, old
     gc.collect()  # the old arena closes: only the held batch's slot is left
-    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+    assert retired(loader) == (1, slot)
     assert firsts([kept]) == [0]
     del kept
-    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+    assert retired(loader) == (0, 0)
 
 
 @frees_its_loaders_on_failure
@@ -161,16 +180,15 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
     it are shared memory the loader made: stats() counts them until they are dropped, and the
     closed arena keeps nothing else (review 15: not the slot the interruption stranded)."""
     loader, it, old, slot, kept = _retired_holding(interrupt_once, 2)
-    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slabs' memory
     assert len({lease.slot.slab_id for lease in old.leases.live()}) == 1  # both in one slab
-    try:
+    with slab_memory(old) as held_now:
         del it, old
         gc.collect()
         fresh = list(loader)  # on a fresh arena; the retired one closes (its iterator is gone)
         assert firsts(fresh) == ALL
         st = loader.stats()
         assert (st.batches_retired, st.bytes_retired) == (2, 2 * slot)
-        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == 2 * slot
+        assert held_now() == 2 * slot
         assert st.batches_held == len(fresh)  # the fresh arena's own count, apart
         assert st.as_row()["bytes_retired"] == 2 * slot
         # The stats export's rows (the host's snapshot) carry them too (review 15 F4).
@@ -180,13 +198,10 @@ def test_batches_held_from_a_retired_arena_stay_in_stats_until_dropped(
         # The closed slab keeps both slots while the other batch maps it (emptying a slot as
         # its batch goes could zero what a process forked since reads, review 21), and stats()
         # says so (review 20: it said one slot).
-        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == 2 * slot
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, 2 * slot)
+        assert held_now() == 2 * slot
+        assert retired(loader) == (1, 2 * slot)
         kept.clear()
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        assert retired(loader) == (0, 0)
 
 
 @frees_its_loaders_on_failure
@@ -203,8 +218,7 @@ def test_a_closed_slab_that_a_released_batch_keeps_mapped_stays_in_stats(
     old = it._host
     slot = old.arena.stats().slot_sizes[0]
     assert len({lease.slot.slab_id for lease in old.leases.live()}) == 1  # both in one slab
-    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slab's memory
-    try:
+    with slab_memory(old) as held_now:
         assert shmloader.release(released, loader) == 1  # the user keeps only a reference
         dropped = next(it)
         interrupt_once(Leases, "_give_back", 1)  # the dropped batch's slot, on its way back
@@ -215,15 +229,12 @@ def test_a_closed_slab_that_a_released_batch_keeps_mapped_stays_in_stats(
         del it, old
         gc.collect()
         assert firsts(list(loader)) == ALL  # on a fresh arena; the retired one closed
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+        assert retired(loader) == (1, slot)
         kept.clear()  # the released batch's views keep the slab, and the slot held at close
-        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == slot
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, slot)
+        assert held_now() == slot
+        assert retired(loader) == (0, slot)
         del released
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        assert retired(loader) == (0, 0)
 
 
 @pytest.mark.parametrize("workers_first", [False, True])
@@ -236,8 +247,7 @@ def test_a_closed_slot_that_workers_forked_while_it_was_held_share_stays_in_stat
     close, or before it), share the slot and keep it after the batch is dropped, until they
     exit."""
     loader, it, old, slot, kept = _retired_holding(interrupt_once, 2)  # two in one slab
-    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slab's memory
-    try:
+    with slab_memory(old) as held_now:
         if workers_first:
             it2 = iter(loader)  # its workers are forked while the batches are held
         del it, old
@@ -251,14 +261,11 @@ def test_a_closed_slot_that_workers_forked_while_it_was_held_share_stays_in_stat
         gc.collect()
         # Review 25: a worker's mapping of one slot keeps the whole file: both slots held at
         # close (stats said one).
-        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == 2 * slot
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 2 * slot)
+        assert held_now() == 2 * slot
+        assert retired(loader) == (0, 2 * slot)
         del it2
         gc.collect()  # its workers are gone
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        assert retired(loader) == (0, 0)
 
 
 @frees_its_loaders_on_failure
@@ -269,22 +276,18 @@ def test_an_interruption_in_the_drain_that_starts_a_close_still_closes_the_arena
     interruption there left the arena unclosed: every slab whole (not hollowed) while a batch
     kept it mapped, and out of the fork books."""
     loader, it, old, slot, kept = _retired_holding(interrupt_once, 1)
-    fds = [os.dup(s.segment._fd) for s in old.arena.slabs()]  # to watch the old slabs' memory
-    try:
-        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) > slot
+    with slab_memory(old) as held_now:
+        assert held_now() > slot
         del it, old
         gc.collect()
         interrupt_once(Leases, "drain", 1)  # the close's own drain: the next one called
         fresh = iter(loader)  # the retired arena closes: interrupted (its finalizer says so)
-        assert sum(os.fstat(fd).st_blocks * 512 for fd in fds) == slot  # the held one only
+        assert held_now() == slot  # the held one only
         assert firsts(list(fresh)) == ALL
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+        assert retired(loader) == (1, slot)
         assert firsts(kept) == ALL[:1]
         kept.clear()
-        assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        assert retired(loader) == (0, 0)
 
 
 @frees_its_loaders_on_failure
@@ -318,10 +321,10 @@ def test_a_retired_arena_is_counted_once_when_making_its_successor_was_interrupt
     with pytest.raises(KeyboardInterrupt):
         iter(loader)
     assert firsts(list(loader)) == ALL
-    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (1, slot)
+    assert retired(loader) == (1, slot)
     assert firsts(kept) == ALL[:1]
     kept.clear()
-    assert (loader.stats().batches_retired, loader.stats().bytes_retired) == (0, 0)
+    assert retired(loader) == (0, 0)
 
 
 @frees_its_loaders_on_failure
