@@ -120,36 +120,38 @@ def forking_workers() -> Iterator[None]:
         _fork.workers = False
 
 
-def keep_lent() -> Callable[[], None]:
+def keep_lent(lifts: list[Callable[[], None]]) -> None:
     """Every loader of this process keeps the slots it lends now from reuse (before forking
-    shmloader workers, or a child that copies them). Returns the function that lets them go once
-    no child needs them (safe to call from a finalizer, and more than once). A closed arena's
-    slots are never reused, but while such children live they share those lent now, and its
-    stats count them (:meth:`~shmloader.lease.Leases.counter`)."""
+    shmloader workers, or a child that copies them), and adds to ``lifts``, before anything is
+    kept, the function that lets them go once no child needs them (safe to call from a
+    finalizer, and more than once; an interruption here leaves what was kept so far to it:
+    review 26). A closed arena's slots are never reused, but while such children live they
+    share those lent now, and its stats count them
+    (:meth:`~shmloader.lease.Leases.counter`)."""
     pid = os.getpid()
-    kept = [
-        (leases, q)
-        for leases, owner in list(_tracked.items())
-        if owner == pid
-        for q in [leases.quarantine()]
-        if q is not None
-    ]
-    shared = []
-    for closed in [c for c in list(_closed) if c.owner == pid]:
-        refs = [lease.slot for lease in closed.leases if lease() is not None]
-        if refs:
-            shared.append((closed.kept, Quarantine(refs)))
-            closed.kept.append(shared[-1][1])
+    kept: list[tuple[Leases, Quarantine]] = []
+    shared: list[tuple[list[Quarantine], Quarantine]] = []
 
     def lift() -> None:
-        for leases, q in kept:
+        for leases, q in list(kept):
             leases.lift(q)
-        for quarantines, q in shared:
+        for quarantines, q in list(shared):
             q.active = False
             with contextlib.suppress(ValueError):
                 quarantines.remove(q)
 
-    return lift
+    lifts.append(lift)
+    for leases, owner in list(_tracked.items()):
+        if owner == pid:
+            q = leases.quarantine()
+            if q is not None:
+                kept.append((leases, q))
+    for closed in [c for c in list(_closed) if c.owner == pid]:
+        refs = [lease.slot for lease in closed.leases if lease() is not None]
+        if refs:
+            q = Quarantine(refs)
+            shared.append((closed.kept, q))
+            closed.kept.append(q)
 
 
 def _lent(pid: int) -> list[tuple[int, int]]:
@@ -177,11 +179,11 @@ def _before() -> None:
     pid = os.getpid()
     _fork.parent = pid
     _fork.pipe = None
-    _fork.lift = None
+    _fork.lifts = []
     _fork.copy = not getattr(_fork, "workers", False) and bool(_lent(pid))
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
-        _fork.lift = keep_lent()
+        keep_lent(_fork.lifts)
         with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child still
             _fork.pipe = os.pipe()  # copies, but the parent cannot wait for it
 
@@ -201,7 +203,7 @@ def _my_end(child: bool) -> int | None:
 def _in_child() -> None:
     copy, _fork.copy = getattr(_fork, "copy", False), False
     parent, _fork.parent = getattr(_fork, "parent", None), None
-    _fork.lift = None  # the parent's to call
+    _fork.lifts = []  # the parent's to call
     w = _my_end(child=True)
     if parent is None:
         return
@@ -223,7 +225,7 @@ def _in_child() -> None:
 
 def _in_parent() -> None:
     _fork.copy = False
-    lift, _fork.lift = getattr(_fork, "lift", None), None
+    lifts, _fork.lifts = getattr(_fork, "lifts", []), []
     r = _my_end(child=False)
     try:
         if r is None:
@@ -237,7 +239,7 @@ def _in_parent() -> None:
     finally:
         if r is not None:
             os.close(r)
-        if lift is not None:
+        for lift in lifts:
             lift()
 
 

@@ -236,14 +236,30 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
         else:
             pinner.close()
     finally:
-        try:
+
+        def books() -> None:
+            # What the batches still held keep (Leases.counter): every slab whole until the
+            # stranded slots are emptied (review 26: an interruption there skipped the books,
+            # and stats missed what workers still mapped).
+            leases.close_books(whole=True)
             if leases.retired:
                 # A slot an interruption stranded (LENT, and no lease names it) is FREE nowhere
                 # in the books: close() alone would keep its memory while a view keeps its slab.
                 arena.empty_all_but(leases.read_ranges())
-            leases.close_books()  # what the batches still held keep (Leases.counter)
-        finally:
-            try:
-                arena.close()
-            finally:
-                afterfork.track_closed(leases)  # a child forked later lets go of what it keeps
+            leases.close_books()
+
+        # Each step runs whatever another one raised.
+        _every(books, arena.close, lambda: afterfork.track_closed(leases))
+
+
+def _every(*steps: Callable[[], object]) -> None:
+    """Run every step in order, each whatever the ones before it raised; then raise the first
+    error, if any."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other steps
+            first = first or e
+    if first is not None:
+        raise first

@@ -156,18 +156,24 @@ class Leases:
                     out.append((slab.segment.address + ref.slot * slab.slot_size, slab.slot_size))
         return out
 
-    def close_books(self) -> None:
+    def close_books(self, whole: bool = False) -> None:
         """For an arena about to close: note, per slab, the bytes of the slots batches still
         hold. A closed arena empties its free slots only; a held batch's slot keeps its memory
         until the slab's mapping goes with its last view (emptying it when the batch dies
         instead would zero what a process forked since still reads), and :meth:`counter`
         reports exactly that. A slab still page-locked (the GPU had not passed the copies from
-        it, :func:`shmloader.host._close`) stays locked, whole, until the process exits."""
+        it, :func:`shmloader.host._close`) stays locked, whole, until the process exits.
+        ``whole``: note every slab whole, for a close whose exact count may not be reached (an
+        interruption must not leave a closed arena counted as an open one, one slot a batch
+        and none for workers: review 25), or whose stranded slots were not emptied (review 26);
+        this first step also runs before the exact count."""
         now = self.arena.slabs()
-        whole = {s.slab_id: ClosedSlab(s.nslots * s.slot_size, s.segment.mapping) for s in now}
-        # Each slab whole until counted below: an interruption must not leave the closed arena
-        # counted as an open one (one slot per batch, no workers' slots; review 25).
-        self.at_close[0] = ClosedBooks(whole, self.quarantines)
+        whole_slabs = {
+            s.slab_id: ClosedSlab(s.nslots * s.slot_size, s.segment.mapping) for s in now
+        }
+        self.at_close[0] = ClosedBooks(whole_slabs, self.quarantines)
+        if whole:
+            return
         per_slab: dict[int, int] = {}
         held = [lease.slot for lease in list(self._live.values()) if lease() is not None]
         kept = [ref for q in list(self.quarantines) if q.active for ref in list(q.held)]
@@ -177,9 +183,10 @@ class Leases:
         for slab in now:
             sid = slab.slab_id
             if self.fence is not None and self._fenced(sid):
-                slabs[sid] = ClosedSlab(whole[sid].held, None)  # for good
+                slabs[sid] = ClosedSlab(whole_slabs[sid].held, None)  # for good
             else:
-                slabs[sid] = ClosedSlab(per_slab.get(sid, 0) * slab.slot_size, whole[sid].mapping)
+                nbytes = per_slab.get(sid, 0) * slab.slot_size
+                slabs[sid] = ClosedSlab(nbytes, whole_slabs[sid].mapping)
         self.at_close[0] = ClosedBooks(slabs, self.quarantines)
 
     def counter(self) -> Callable[[], tuple[int, int]]:

@@ -18,7 +18,6 @@ import torch
 
 from arena import Backend
 from arena.finalizers import on_death
-from shmloader import afterfork
 from shmloader._torch_compat import (
     ITERABLE_KIND,
     IterDataPipe,
@@ -43,7 +42,7 @@ def start_workers(
     """Start ``it``'s workers, with what a loaded state ``plan`` gives them back (see
     :mod:`shmloader.state`); the RNG ring they publish into lives as long as ``it``. Forked
     workers share the slots of the batches every loader lends now: those are kept from reuse
-    until the workers are gone (:func:`shmloader.afterfork.keep_lent`)."""
+    until the workers are gone (:class:`~shmloader.supervisor.Supervisor`)."""
     nw: int = it._num_workers
     # memfd: a few pages per worker that never count against /dev/shm or the arena's cap
     # Deep enough for the snapshot a state needs: after the last consumed task, with up to
@@ -101,19 +100,7 @@ def start_workers(
         )
         for i in range(nw)
     ]
-    # A supervisor that fails to start tears itself down, and so calls on_exit itself; one
-    # interrupted before it got that far calls nothing (review 25: the slots kept for workers
-    # never forked stayed kept for good), so on_exit runs here too (a second call does nothing).
-    on_exit = None
-    try:
-        if ctx.get_start_method() == "fork":
-            on_exit = afterfork.keep_lent()
-        with afterfork.forking_workers():
-            sup = Supervisor(ctx, configs, on_exit)
-    except BaseException:
-        if on_exit is not None:
-            on_exit()
-        raise
+    sup = Supervisor(ctx, configs)  # (it keeps the slots lent from reuse while its workers live)
     host.worker_pids = tuple(sup.pids)
     if host.export is not None:
         host.export.write({"kind": "workers", "pids": list(sup.pids)})

@@ -11,8 +11,12 @@ Invariants:
   The main process reads the pipes itself (one ``read`` per wake-up, cutting every whole frame
   from a per-worker buffer); frames are ``multiprocessing.connection``'s, as workers send them.
 - Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
-  terminate -> kill -> close the pipes -> ``on_exit`` (the loader's slots the workers were forked
-  with may be reused now). It is idempotent and safe on a half-started supervisor.
+  terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
+- Forked workers share the slots of the batches every loader lends when they start
+  (:func:`shmloader.afterfork.keep_lent`, made before the first fork): those are kept from
+  reuse until every worker is ended (exited, or killed), and only then let go: by teardown
+  once its kills all went out, by :meth:`Supervisor.kill`, or by the finalizer of a supervisor
+  dropped first (review 26: an interruption lifted them while workers ran on).
 - A worker told to retire (its IterableDataset replica is exhausted) is expected to exit; its
   exit is not an error.
 - Workers belong to the process that started them: after an ``os.fork()`` of the main process
@@ -37,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from arena.finalizers import on_death
+from shmloader import afterfork
 from shmloader import protocol as P
 from shmloader.frames import READ_BYTES, cut_frames, framed
 from shmloader.worker import WorkerConfig, worker_main
@@ -88,10 +93,10 @@ class WorkerDeath:
 class Supervisor:
     """The worker processes of one iterator."""
 
-    def __init__(
-        self, ctx: Any, configs: list[WorkerConfig], on_exit: Callable[[], None] | None = None
-    ) -> None:
-        self._on_exit = on_exit  # called when teardown has ended every worker (idempotent)
+    def __init__(self, ctx: Any, configs: list[WorkerConfig]) -> None:
+        # Lifts of the slots kept for these workers (afterfork.keep_lent; idempotent), called
+        # once every worker is ended.
+        self._lifts: list[Callable[[], None]] = []
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.retired: set[int] = set()
@@ -109,44 +114,51 @@ class Supervisor:
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
         # registered its teardown) are killed and reaped, not left running, and the slots kept
         # for them come back (review 25).
-        on_death(self, _end_unstopped, os.getpid(), self.procs, on_exit)
+        on_death(self, _end_unstopped, os.getpid(), self.procs, self._lifts)
         try:
             forked = ctx.get_start_method() == "fork"
-            for cfg in configs:
-                parent, child = ctx.Pipe(duplex=True)
-                self.conns.append(parent)
-                self._wfds.append(parent.fileno())
-                os.set_blocking(parent.fileno(), False)
-                if forked:
-                    # A forked worker inherits the main process's ends of every pipe made so
-                    # far, its own included; it closes them, so it sees EOF when the main
-                    # process goes and holds no other worker's pipe open.
-                    cfg = dataclasses.replace(cfg, close_fds=tuple(c.fileno() for c in self.conns))
-                proc = ctx.Process(
-                    target=worker_main,
-                    args=(cfg, child),
-                    name=f"shmloader-worker-{cfg.worker_id}",
-                    daemon=True,
-                )
-                # A forked child keeps this mask: SIGINT stays blocked until worker_main ignores
-                # it, so a Ctrl-C while the worker starts up does not kill it. (multiprocessing's
-                # spawn and forkserver children start with an empty mask: for them a Ctrl-C
-                # before worker_main still ends a starting worker.)
-                mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                try:
-                    proc.start()
-                    # Recorded before the mask is restored: a Ctrl-C held back while it started
-                    # is delivered there, and the shutdown it leads to must stop and reap it.
-                    self.procs.append(proc)
-                    _started.add(proc)
-                except (pickle.PicklingError, TypeError, AttributeError) as e:
-                    raise _start_error(e, cfg) from e
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-                    child.close()
+            if forked:
+                afterfork.keep_lent(self._lifts)
+            with afterfork.forking_workers():
+                self._start(ctx, configs, forked)
         except BaseException:
             self.shutdown()
             raise
+
+    def _start(self, ctx: Any, configs: list[WorkerConfig], forked: bool) -> None:
+        """Start a worker per config (``forked``: under the fork start method)."""
+        for cfg in configs:
+            parent, child = ctx.Pipe(duplex=True)
+            self.conns.append(parent)
+            self._wfds.append(parent.fileno())
+            os.set_blocking(parent.fileno(), False)
+            if forked:
+                # A forked worker inherits the main process's ends of every pipe made so
+                # far, its own included; it closes them, so it sees EOF when the main
+                # process goes and holds no other worker's pipe open.
+                cfg = dataclasses.replace(cfg, close_fds=tuple(c.fileno() for c in self.conns))
+            proc = ctx.Process(
+                target=worker_main,
+                args=(cfg, child),
+                name=f"shmloader-worker-{cfg.worker_id}",
+                daemon=True,
+            )
+            # A forked child keeps this mask: SIGINT stays blocked until worker_main ignores
+            # it, so a Ctrl-C while the worker starts up does not kill it. (multiprocessing's
+            # spawn and forkserver children start with an empty mask: for them a Ctrl-C
+            # before worker_main still ends a starting worker.)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                proc.start()
+                # Recorded before the mask is restored: a Ctrl-C held back while it started
+                # is delivered there, and the shutdown it leads to must stop and reap it.
+                self.procs.append(proc)
+                _started.add(proc)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                raise _start_error(e, cfg) from e
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                child.close()
 
     @property
     def pids(self) -> list[int]:
@@ -293,6 +305,13 @@ class Supervisor:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
         could still finish is wanted. :meth:`shutdown` then only closes the pipes."""
         _kill_and_reap(self.procs)
+        self._ended()
+
+    def _ended(self) -> None:
+        """Every worker is ended (exited, or killed: none of its code runs any more): the slots
+        kept for them may be reused."""
+        for lift in list(self._lifts):
+            lift()
 
     @property
     def stopped(self) -> bool:
@@ -311,10 +330,11 @@ class Supervisor:
                 if p.exitcode is None:
                     with contextlib.suppress(OSError):
                         p.kill()
+            # Reached only once every kill went out: an interruption in this loop leaves the
+            # kept slots to kill() or the finalizer, which end the rest first (review 26).
+            self._ended()
             raise
-        finally:  # the slots kept for them (none of their code runs any more) come back
-            if self._on_exit is not None:
-                self._on_exit()
+        self._ended()
 
     def _stop_all(self) -> None:
         for wid, p in enumerate(self.procs):
@@ -346,11 +366,11 @@ _CLOSED = (
 )
 
 
-def _end_unstopped(pid: int, procs: list[Any], on_exit: Callable[[], None] | None) -> None:
+def _end_unstopped(pid: int, procs: list[Any], lifts: list[Callable[[], None]]) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs)
-        if on_exit is not None:  # (after shutdown() already called it: a second call is a no-op)
-            on_exit()
+        for lift in list(lifts):  # (after a teardown that lifted already: a no-op)
+            lift()
 
 
 def _kill_and_reap(procs: list[Any]) -> None:

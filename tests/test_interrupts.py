@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing.process
 import os
+import select
 import signal
 import traceback
 from collections.abc import Callable, Iterator
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import ending
+from shmloader import afterfork, ending
 from shmloader import protocol as P
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
@@ -306,6 +308,140 @@ def test_slots_kept_for_workers_an_interruption_kept_from_starting_come_back(
     gc.collect()
     assert loader.stats().slots_kept == 0
     assert firsts(list(loader)) == ALL
+
+
+class ReadsAPoolOnStart:
+    """A ``worker_init_fn`` reading a batch of another loader (a replay pool) once the test says
+    go, and writing the first value of each row to ``out``."""
+
+    def __init__(self, pool: list[torch.Tensor], go: int, out: int) -> None:
+        self.pool, self.go, self.out = pool, go, out
+
+    def __call__(self, worker_id: int) -> None:
+        if os.read(self.go, 1):
+            os.write(self.out, (",".join(map(str, self.pool[0][:, 0].tolist())) + "\n").encode())
+
+
+@frees_its_loaders_on_failure
+def test_workers_an_interrupted_start_leaves_behind_never_read_a_reused_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 26: iter() interrupted after the supervisor had forked its workers (as
+    forking_workers() exits) lifted the slots kept for them while they ran on (the traceback
+    keeps the supervisor): a worker reading a batch of another loader then read the batch
+    written in its place. Only the supervisor lets them go, once its workers are ended."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it_a = iter(a)
+    pool = [next(it_a)]  # rows 0-3, in a slot of a's arena
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
+                                 worker_init_fn=ReadsAPoolOnStart(pool, go_r, out_w))  # fmt: skip
+        real = afterfork.forking_workers
+
+        @contextlib.contextmanager
+        def interrupted_as_it_exits() -> Iterator[None]:
+            with real():
+                yield
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(afterfork, "forking_workers", interrupted_as_it_exits)
+        with pytest.raises(KeyboardInterrupt) as kept_traceback:  # keeps the supervisor
+            iter(b)
+        monkeypatch.undo()
+        pool_batch = pool.pop()
+        del pool_batch
+        assert firsts(list(it_a)) == ALL[1:]  # the arena reuses its free slots
+        assert firsts(list(a)) == ALL
+        os.write(go_w, b"xx")
+    finally:
+        for fd in (go_w, out_w):
+            os.close(fd)
+    read = b""
+    poller = select.poll()
+    poller.register(out_r, select.POLLIN)
+    while poller.poll(30_000):  # until EOF: every worker is gone, or wrote
+        chunk = os.read(out_r, 4096)
+        if not chunk:
+            break
+        read += chunk
+    os.close(out_r)
+    os.close(go_r)
+    del kept_traceback
+    assert all(line == "0,1,2,3" for line in read.decode().split()), read
+
+
+@frees_its_loaders_on_failure
+def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
+    interrupt_once: Any,
+) -> None:
+    """Review 26: iter() interrupted while forking its second worker, its teardown interrupted
+    in the join, and the kill interrupted before the first worker's: the teardown let the slots
+    kept for the workers go while the first one ran on. They go only once it is ended (here by
+    the finalizer of the supervisor the traceback kept)."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    held = [next(iter(a))]
+    b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    interrupt_once(multiprocessing.process.BaseProcess, "start", 2)
+    interrupt_once(multiprocessing.process.BaseProcess, "join", 1)
+    interrupt_once(multiprocessing.process.BaseProcess, "kill", 1)
+    with pytest.raises(KeyboardInterrupt) as kept_traceback:
+        iter(b)
+    sup = next(f.frame.f_locals["self"] for f in kept_traceback.traceback
+               if f.name == "shutdown")  # fmt: skip
+    alive = [p for p in sup.procs if p.is_alive()]
+    assert len(alive) == 1, "the first worker was to be left running"
+    held.clear()
+    assert a.stats().slots_kept == 1, "the slot was let go while a worker shares it"
+    del sup, alive, kept_traceback
+    gc.collect()  # the supervisor's finalizer ends the worker, then lets the slot go
+    assert a.stats().slots_kept == 0
+    assert firsts(list(a)) == ALL
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_while_slots_are_kept_for_new_workers_keeps_none_for_good(
+    interrupt_once: Any,
+) -> None:
+    """Review 26: an interruption inside afterfork.keep_lent (the second loader's quarantine)
+    lost the first loader's, which kept its slot for good."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    c = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    held = [next(iter(a)), next(iter(c))]
+    b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    interrupt_once(Leases, "quarantine", 2)
+    with pytest.raises(KeyboardInterrupt):
+        iter(b)
+    held.clear()
+    gc.collect()
+    assert (a.stats().slots_kept, c.stats().slots_kept) == (0, 0)
+    assert firsts(list(b)) == ALL
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_in_the_retired_branch_of_a_close_still_writes_the_books(
+    interrupt_once: Any,
+) -> None:
+    """Review 26: an interruption while a retired arena's close emptied the stranded slots
+    skipped its close books: stats() counted it as an open arena, 0 bytes once its batches were
+    dropped, while workers forked with them still mapped the slab. It counts the slab whole now
+    (the stranded slot stays, and the books cannot say which it is), never less than the
+    kernel holds."""
+    loader, it, old, slot, kept = _retired_holding(interrupt_once, 2)
+    with slab_memory(old) as held_now:
+        it2 = iter(loader)  # its workers are forked while the batches are held
+        interrupt_once(Leases, "read_ranges", 1)
+        del it, old
+        gc.collect()  # the retired arena closes: interrupted (its finalizer says so)
+        assert firsts([next(it2)]) == ALL[:1]
+        kept.clear()
+        gc.collect()
+        assert held_now() == 3 * slot  # the two held at close, and the stranded one
+        assert retired(loader)[0] == 0 and retired(loader)[1] >= held_now()
+        del it2
+        gc.collect()
+        assert retired(loader) == (0, 0)
 
 
 @frees_its_loaders_on_failure
