@@ -110,14 +110,29 @@ def track_private(segment: Segment) -> None:
 
 
 @contextlib.contextmanager
-def forking_workers() -> Iterator[None]:
-    """Around starting shmloader workers in this thread, after :func:`keep_lent`: their
-    forks copy nothing."""
-    _fork.workers = True
+def forking_workers(lifts: list[Callable[[], None]]) -> Iterator[None]:
+    """Around starting shmloader workers in this thread: their forks copy nothing; instead each
+    fork keeps the slots every loader lends at that moment from reuse (:func:`keep_lent`, in
+    the fork's own hook: a batch another thread lends while the workers start is kept too,
+    review 27), and adds to ``lifts`` the function that lets them go."""
+    _fork.workers = lifts
     try:
         yield
     finally:
-        _fork.workers = False
+        _fork.workers = None
+
+
+def lift_all(lifts: list[Callable[[], None]]) -> None:
+    """Call every lift :func:`keep_lent` added to ``lifts``; interrupted, call them all once
+    more (each is idempotent) before the interruption goes on, so that no slot stays kept for
+    good (review 27: an interruption in an at-fork hook or a finalizer is never retried)."""
+    try:
+        for lift in list(lifts):
+            lift()
+    except BaseException:
+        for lift in list(lifts):
+            lift()
+        raise
 
 
 def keep_lent(lifts: list[Callable[[], None]]) -> None:
@@ -143,9 +158,7 @@ def keep_lent(lifts: list[Callable[[], None]]) -> None:
     lifts.append(lift)
     for leases, owner in list(_tracked.items()):
         if owner == pid:
-            q = leases.quarantine()
-            if q is not None:
-                kept.append((leases, q))
+            leases.quarantine(kept)
     for closed in [c for c in list(_closed) if c.owner == pid]:
         refs = [lease.slot for lease in closed.leases if lease() is not None]
         if refs:
@@ -180,7 +193,16 @@ def _before() -> None:
     _fork.parent = pid
     _fork.pipe = None
     _fork.lifts = []
-    _fork.copy = not getattr(_fork, "workers", False) and bool(_lent(pid))
+    workers: list[Callable[[], None]] | None = getattr(_fork, "workers", None)
+    if workers is not None:  # a shmloader worker: it shares what is lent now, until it ends
+        try:
+            keep_lent(workers)
+        except BaseException:
+            # Once more (keeping twice is harmless): nothing a fork hook raises stops the
+            # fork, so an interruption must not leave the worker sharing a slot not kept.
+            keep_lent(workers)
+            raise
+    _fork.copy = workers is None and bool(_lent(pid))
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
         keep_lent(_fork.lifts)
@@ -239,8 +261,7 @@ def _in_parent() -> None:
     finally:
         if r is not None:
             os.close(r)
-        for lift in lifts:
-            lift()
+        lift_all(lifts)
 
 
 def _warn(what: str) -> None:

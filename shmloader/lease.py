@@ -255,16 +255,16 @@ class Leases:
             finally:
                 self._inside = None
 
-    def quarantine(self) -> Quarantine | None:
-        """Before a fork: keep every slot lent now out of use until :meth:`lift`. None when
-        nothing is lent."""
+    def quarantine(self, kept: list[tuple[Leases, Quarantine]]) -> None:
+        """Before a fork: keep every slot lent now out of use until :meth:`lift`, adding it to
+        ``kept`` first (whoever lifts from ``kept`` knows it before it keeps anything: review
+        27). Nothing when nothing is lent."""
         with self.lock:
             refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
-            if not refs:
-                return None
-            q = Quarantine(refs)
-            self.quarantines.append(q)
-            return q
+            if refs:
+                q = Quarantine(refs)
+                kept.append((self, q))
+                self.quarantines.append(q)
 
     def lift(self, q: Quarantine) -> None:
         """The workers forked under ``q`` are gone: its slots may be reused. Safe to call from a

@@ -13,7 +13,7 @@ Invariants:
 - Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
   terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
 - Forked workers share the slots of the batches every loader lends when they start
-  (:func:`shmloader.afterfork.keep_lent`, made before the first fork): those are kept from
+  (:func:`shmloader.afterfork.keep_lent`, made in each worker's own fork): those are kept from
   reuse until every worker is ended (exited, or killed), and only then let go: by teardown
   once its kills all went out, by :meth:`Supervisor.kill`, or by the finalizer of a supervisor
   dropped first (review 26: an interruption lifted them while workers ran on).
@@ -117,9 +117,7 @@ class Supervisor:
         on_death(self, _end_unstopped, os.getpid(), self.procs, self._lifts)
         try:
             forked = ctx.get_start_method() == "fork"
-            if forked:
-                afterfork.keep_lent(self._lifts)
-            with afterfork.forking_workers():
+            with afterfork.forking_workers(self._lifts):  # each fork keeps what is lent then
                 self._start(ctx, configs, forked)
         except BaseException:
             self.shutdown()
@@ -150,13 +148,16 @@ class Supervisor:
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 proc.start()
-                # Recorded before the mask is restored: a Ctrl-C held back while it started
-                # is delivered there, and the shutdown it leads to must stop and reap it.
-                self.procs.append(proc)
-                _started.add(proc)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 raise _start_error(e, cfg) from e
             finally:
+                # Recorded once forked, even if start() was then interrupted (a signal
+                # handler's exception: review 27), and before the mask is restored (a Ctrl-C
+                # held back while it started is delivered there): the shutdown either leads to
+                # must end it before the slots kept for it go.
+                if proc.pid is not None:
+                    self.procs.append(proc)
+                    _started.add(proc)
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 child.close()
 
@@ -310,8 +311,7 @@ class Supervisor:
     def _ended(self) -> None:
         """Every worker is ended (exited, or killed: none of its code runs any more): the slots
         kept for them may be reused."""
-        for lift in list(self._lifts):
-            lift()
+        afterfork.lift_all(self._lifts)
 
     @property
     def stopped(self) -> bool:
@@ -369,8 +369,7 @@ _CLOSED = (
 def _end_unstopped(pid: int, procs: list[Any], lifts: list[Callable[[], None]]) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs)
-        for lift in list(lifts):  # (after a teardown that lifted already: a no-op)
-            lift()
+        afterfork.lift_all(lifts)  # (after a teardown that lifted already: a no-op)
 
 
 def _kill_and_reap(procs: list[Any]) -> None:
