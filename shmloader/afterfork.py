@@ -36,7 +36,7 @@ Invariants:
   those batches.
 - shmloader's workers (forked inside :func:`forking_workers`, in the forking thread only) copy
   nothing: instead every loader of this process keeps the slots it lends at that fork from reuse
-  until those workers are gone (:func:`keep_lent`, :class:`~shmloader.lease.Quarantine`), and
+  until those workers are gone (:class:`Keep`, :class:`~shmloader.lease.Quarantine`), and
   the workers keep sharing those slots' pages. That costs no copy and no memory per worker, and
   the workers' code (a dataset holding batches of this or another loader: a replay pool, a
   memory bank) still sees those batches as they were.
@@ -51,11 +51,11 @@ import os
 import select
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from arena import Mapping, Segment, privatize, userwarn
-from shmloader.lease import Quarantine
+from shmloader.lease import FORKS_PENDING, Quarantine
 
 if TYPE_CHECKING:
     from shmloader.lease import Lease, Leases
@@ -74,8 +74,12 @@ class _Closed(NamedTuple):
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
 _closed: list[_Closed] = []  # arenas closed while views of them live (track_closed)
+# In a shmloader worker: the process whose lent slots it shares without a copy (its parent).
+_shared_from: int | None = None
 # Other shared memory of this process's loaders that no child reads (RNG rings) -> owner pid.
 _private: weakref.WeakKeyDictionary[Segment, int] = weakref.WeakKeyDictionary()
+_pending_lock = threading.Lock()  # changes to lease.FORKS_PENDING, in the parent (never held
+# across a fork: a child starts with it free)
 # Per forking thread, from before the fork to after: the forking pid, the handshake pipe, the
 # quarantine to lift, and whether it is starting shmloader workers (which copy nothing).
 # Thread-local: another thread's fork, even while workers start here, copies as usual.
@@ -92,7 +96,7 @@ def track_closed(leases: Leases) -> None:
     on still copies the batches lent then and lets go of the slabs their views keep mapped, for
     as long as any of them is (after ``leases`` itself is gone too). Its slots are never reused,
     so a fork keeps them from nothing; but the shmloader workers it forks share them, and
-    :func:`keep_lent` says so to the table's stats. The table is in ``_tracked`` or in
+    :class:`Keep` says so to the table's stats. The table is in ``_tracked`` or in
     ``_closed`` at every step (an interruption here must not lose it: review 24)."""
     mappings = [slab.segment.mapping for slab in leases.arena.slabs()]
     _closed[:] = [c for c in _closed if any(m.alive() for m in c.mappings)]
@@ -109,69 +113,70 @@ def track_private(segment: Segment) -> None:
     _private[segment] = os.getpid()
 
 
+class Keep:
+    """The slots kept from reuse for one set of children (a supervisor's workers, or one plain
+    child while it copies): one quarantine per loader (and per closed arena), to which each
+    later fork adds what is lent then (review 28: one per fork piled up in a loader not
+    drained). :meth:`lift` lets them all go: safe from a finalizer, more than once, and after
+    an interruption in :meth:`take` (which records before it keeps anything)."""
+
+    __slots__ = ("closed", "tables")
+
+    def __init__(self) -> None:
+        self.tables: dict[int, tuple[Leases, Quarantine]] = {}  # id(leases) -> its quarantine
+        self.closed: dict[int, tuple[list[Quarantine], Quarantine]] = {}  # id(record's list)
+
+    def take(self, pid: int) -> None:
+        """Keep every slot the loaders of process ``pid`` lend now (call in ``pid``)."""
+        for leases, owner in list(_tracked.items()):
+            if owner == pid:
+                leases.quarantine(self.tables)
+        for record in [c for c in list(_closed) if c.owner == pid]:
+            refs = [lease.slot for lease in record.leases if lease() is not None]
+            have = self.closed.get(id(record.kept))
+            if have is not None:
+                have[1].refs.update(refs)
+            elif refs:
+                q = Quarantine(refs)
+                self.closed[id(record.kept)] = (record.kept, q)
+                record.kept.append(q)
+
+    def lift(self) -> None:
+        """Let every slot kept go; interrupted, try all once more before the interruption
+        goes on (review 27: one in an at-fork hook or a finalizer is never retried)."""
+        try:
+            self._lift()
+        except BaseException:
+            self._lift()
+            raise
+
+    def _lift(self) -> None:
+        for leases, q in list(self.tables.values()):
+            leases.lift(q)
+        for quarantines, q in list(self.closed.values()):
+            q.active = False
+            with contextlib.suppress(ValueError):
+                quarantines.remove(q)
+
+
 @contextlib.contextmanager
-def forking_workers(lifts: list[Callable[[], None]]) -> Iterator[None]:
+def forking_workers(keep: Keep) -> Iterator[None]:
     """Around starting shmloader workers in this thread: their forks copy nothing; instead each
-    fork keeps the slots every loader lends at that moment from reuse (:func:`keep_lent`, in
-    the fork's own hook: a batch another thread lends while the workers start is kept too,
-    review 27), and adds to ``lifts`` the function that lets them go."""
-    _fork.workers = lifts
+    fork adds to ``keep`` the slots every loader lends at that moment (in the fork's own hook,
+    and any lent until the fork is done: a batch another thread lends while the workers start
+    is kept too, reviews 27 and 28)."""
+    _fork.workers = keep
     try:
         yield
     finally:
         _fork.workers = None
 
 
-def lift_all(lifts: list[Callable[[], None]]) -> None:
-    """Call every lift :func:`keep_lent` added to ``lifts``; interrupted, call them all once
-    more (each is idempotent) before the interruption goes on, so that no slot stays kept for
-    good (review 27: an interruption in an at-fork hook or a finalizer is never retried)."""
-    try:
-        for lift in list(lifts):
-            lift()
-    except BaseException:
-        for lift in list(lifts):
-            lift()
-        raise
-
-
-def keep_lent(lifts: list[Callable[[], None]]) -> None:
-    """Every loader of this process keeps the slots it lends now from reuse (before forking
-    shmloader workers, or a child that copies them), and adds to ``lifts``, before anything is
-    kept, the function that lets them go once no child needs them (safe to call from a
-    finalizer, and more than once; an interruption here leaves what was kept so far to it:
-    review 26). A closed arena's slots are never reused, but while such children live they
-    share those lent now, and its stats count them
-    (:meth:`~shmloader.lease.Leases.counter`)."""
-    pid = os.getpid()
-    kept: list[tuple[Leases, Quarantine]] = []
-    shared: list[tuple[list[Quarantine], Quarantine]] = []
-
-    def lift() -> None:
-        for leases, q in list(kept):
-            leases.lift(q)
-        for quarantines, q in list(shared):
-            q.active = False
-            with contextlib.suppress(ValueError):
-                quarantines.remove(q)
-
-    lifts.append(lift)
-    for leases, owner in list(_tracked.items()):
-        if owner == pid:
-            leases.quarantine(kept)
-    for closed in [c for c in list(_closed) if c.owner == pid]:
-        refs = [lease.slot for lease in closed.leases if lease() is not None]
-        if refs:
-            q = Quarantine(refs)
-            shared.append((closed.kept, q))
-            closed.kept.append(q)
-
-
-def _lent(pid: int) -> list[tuple[int, int]]:
-    """The address ranges of the slots process ``pid`` lends, as of its last drain, from open
-    arenas and closed ones."""
-    tables = [leases.live() for leases, owner in list(_tracked.items()) if owner == pid]
-    tables += [c.leases for c in list(_closed) if c.owner == pid]
+def _lent(*pids: int | None) -> list[tuple[int, int]]:
+    """The address ranges of the slots processes ``pids`` lend, as of their last drain, from
+    open arenas and closed ones."""
+    tables = [leases.live() for leases, owner in list(_tracked.items()) if owner in pids]
+    tables += [c.leases for c in list(_closed) if c.owner in pids]
     return [(lease.lo, lease.hi - lease.lo) for t in tables for lease in t if lease() is not None]
 
 
@@ -192,22 +197,43 @@ def _before() -> None:
     pid = os.getpid()
     _fork.parent = pid
     _fork.pipe = None
-    _fork.lifts = []
-    workers: list[Callable[[], None]] | None = getattr(_fork, "workers", None)
+    _fork.keep = None
+    workers: Keep | None = getattr(_fork, "workers", None)
+    _fork.worker = workers is not None
     if workers is not None:  # a shmloader worker: it shares what is lent now, until it ends
-        try:
-            keep_lent(workers)
-        except BaseException:
-            # Once more (keeping twice is harmless): nothing a fork hook raises stops the
-            # fork, so an interruption must not leave the worker sharing a slot not kept.
-            keep_lent(workers)
-            raise
-    _fork.copy = workers is None and bool(_lent(pid))
+        _keep_until_forked(workers, pid)
+    _fork.copy = workers is None and bool(_lent(pid, _shared_from))
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
-        keep_lent(_fork.lifts)
+        _fork.keep = Keep()
+        _keep_until_forked(_fork.keep, pid)
         with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child still
             _fork.pipe = os.pipe()  # copies, but the parent cannot wait for it
+
+
+def _keep_until_forked(keep: Keep, pid: int) -> None:
+    """Add to ``keep`` every slot lent now, and every slot lent from now until the fork is done
+    (:data:`shmloader.lease.FORKS_PENDING`, cleared after the fork on both sides): Python runs
+    other fork hooks (logging's lock), takes the import lock and forks after this one, and
+    other threads lent meanwhile (review 28: a worker shared, or a plain child copied, a slot
+    not kept). Nothing a fork hook raises stops the fork, so an interruption takes it once
+    more (it only adds) before it is reported."""
+    _fork.pending = keep.tables
+    with _pending_lock:
+        FORKS_PENDING.append(keep.tables)  # first: a lend racing the snapshot adds itself
+    try:
+        keep.take(pid)
+    except BaseException:
+        keep.take(pid)
+        raise
+
+
+def _fork_done() -> None:
+    """After the fork (either side): lends no longer join this fork's keep."""
+    pending, _fork.pending = getattr(_fork, "pending", None), None
+    if pending is not None:
+        with _pending_lock:  # (the parent only; by identity: another fork's keep may be equal)
+            FORKS_PENDING[:] = [kept for kept in FORKS_PENDING if kept is not pending]
 
 
 def _my_end(child: bool) -> int | None:
@@ -223,14 +249,22 @@ def _my_end(child: bool) -> int | None:
 
 
 def _in_child() -> None:
+    global _shared_from
+    FORKS_PENDING.clear()  # the parent's forks; none of this process
+    _fork.pending = None
+    _fork.workers = None  # the parent was starting workers; a fork here is no worker's
     copy, _fork.copy = getattr(_fork, "copy", False), False
     parent, _fork.parent = getattr(_fork, "parent", None), None
-    _fork.lifts = []  # the parent's to call
+    _fork.keep = None  # the parent's to lift
     w = _my_end(child=True)
     if parent is None:
         return
     done = b"x"  # copying failed: the parent warns
-    keep = _lent(parent)
+    keep = _lent(parent, _shared_from)
+    if getattr(_fork, "worker", False):
+        # A shmloader worker shares its parent's lent slots uncopied: a process it forks
+        # copies them (review 28: a grandchild read a slot reused once the worker ended).
+        _shared_from = parent
     try:
         if copy:
             for addr, nbytes in keep:
@@ -246,8 +280,9 @@ def _in_child() -> None:
 
 
 def _in_parent() -> None:
+    _fork_done()
     _fork.copy = False
-    lifts, _fork.lifts = getattr(_fork, "lifts", []), []
+    keep, _fork.keep = getattr(_fork, "keep", None), None
     r = _my_end(child=False)
     try:
         if r is None:
@@ -261,7 +296,8 @@ def _in_parent() -> None:
     finally:
         if r is not None:
             os.close(r)
-        lift_all(lifts)
+        if keep is not None:
+            keep.lift()
 
 
 def _warn(what: str) -> None:

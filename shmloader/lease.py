@@ -51,6 +51,11 @@ from shmloader import protocol as P
 from shmloader.fence import CopyFence
 from shmloader.rebuild import Rebuilder
 
+# The keeps (``afterfork.Keep.tables``) of forks under way in this process, from their first
+# hook until the fork is done: a batch lent meanwhile joins each (the child shares, or copies,
+# what was lent at the fork itself, which other threads may lend to after the hook's snapshot).
+FORKS_PENDING: list[dict[int, tuple[Leases, Quarantine]]] = []
+
 
 class Lease(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a batch's keep-alive memoryview, naming its slot and generation."""
@@ -195,7 +200,7 @@ class Leases:
         the arena is open; once it closed, the slots held (or kept) then in each slab that is
         still mapped: here (a view of it lives: a batch, or one released early), or by
         shmloader workers forked while its batches were lent (review 24: a quarantine outlives
-        the close, and one starts after it, :func:`shmloader.afterfork.keep_lent`; review 25:
+        the close, and one starts after it, :class:`shmloader.afterfork.Keep`; review 25:
         a worker's mapping of one slot keeps the whole file), and every slab left page-locked.
         It holds only the table of weak
         references and the close record (weak references to the mappings), not this object,
@@ -255,15 +260,19 @@ class Leases:
             finally:
                 self._inside = None
 
-    def quarantine(self, kept: list[tuple[Leases, Quarantine]]) -> None:
-        """Before a fork: keep every slot lent now out of use until :meth:`lift`, adding it to
-        ``kept`` first (whoever lifts from ``kept`` knows it before it keeps anything: review
-        27). Nothing when nothing is lent."""
+    def quarantine(self, kept: dict[int, tuple[Leases, Quarantine]]) -> None:
+        """Before a fork: keep every slot lent now out of use until :meth:`lift`, in the
+        quarantine ``kept`` holds for this table (one per keeper: a later fork adds the slots
+        lent since to it), or a new one, recorded in ``kept`` before it keeps anything
+        (whoever lifts from ``kept`` knows it: review 27). Nothing when nothing is lent."""
         with self.lock:
             refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
-            if refs:
+            have = kept.get(id(self))
+            if have is not None and have[1].active:
+                have[1].refs.update(refs)
+            elif refs:
                 q = Quarantine(refs)
-                kept.append((self, q))
+                kept[id(self)] = (self, q)
                 self.quarantines.append(q)
 
     def lift(self, q: Quarantine) -> None:
@@ -326,6 +335,8 @@ class Leases:
                     keys.append(leaf.untyped_storage()._cdata)
             lease.keys = tuple(keys)
             self._live[id(lease)] = lease
+            for kept in list(FORKS_PENDING) if FORKS_PENDING else ():  # (a fork under way)
+                self.quarantine(kept)
             by_key = self._by_key
             for k in keys:
                 by_key[k] = lease

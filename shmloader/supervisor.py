@@ -13,7 +13,7 @@ Invariants:
 - Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
   terminate -> kill -> close the pipes. It is idempotent and safe on a half-started supervisor.
 - Forked workers share the slots of the batches every loader lends when they start
-  (:func:`shmloader.afterfork.keep_lent`, made in each worker's own fork): those are kept from
+  (:class:`shmloader.afterfork.Keep`, taken in each worker's own fork): those are kept from
   reuse until every worker is ended (exited, or killed), and only then let go: by teardown
   once its kills all went out, by :meth:`Supervisor.kill`, or by the finalizer of a supervisor
   dropped first (review 26: an interruption lifted them while workers ran on).
@@ -35,7 +35,7 @@ import signal
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Container
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -94,9 +94,9 @@ class Supervisor:
     """The worker processes of one iterator."""
 
     def __init__(self, ctx: Any, configs: list[WorkerConfig]) -> None:
-        # Lifts of the slots kept for these workers (afterfork.keep_lent; idempotent), called
-        # once every worker is ended.
-        self._lifts: list[Callable[[], None]] = []
+        # The slots kept for these workers (each fork adds what is lent then), let go once
+        # every worker is ended.
+        self._keep = afterfork.Keep()
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.retired: set[int] = set()
@@ -114,10 +114,10 @@ class Supervisor:
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
         # registered its teardown) are killed and reaped, not left running, and the slots kept
         # for them come back (review 25).
-        on_death(self, _end_unstopped, os.getpid(), self.procs, self._lifts)
+        on_death(self, _end_unstopped, os.getpid(), self.procs, self._keep)
         try:
             forked = ctx.get_start_method() == "fork"
-            with afterfork.forking_workers(self._lifts):  # each fork keeps what is lent then
+            with afterfork.forking_workers(self._keep):  # each fork keeps what is lent then
                 self._start(ctx, configs, forked)
         except BaseException:
             self.shutdown()
@@ -311,7 +311,7 @@ class Supervisor:
     def _ended(self) -> None:
         """Every worker is ended (exited, or killed: none of its code runs any more): the slots
         kept for them may be reused."""
-        afterfork.lift_all(self._lifts)
+        self._keep.lift()
 
     @property
     def stopped(self) -> bool:
@@ -366,10 +366,10 @@ _CLOSED = (
 )
 
 
-def _end_unstopped(pid: int, procs: list[Any], lifts: list[Callable[[], None]]) -> None:
+def _end_unstopped(pid: int, procs: list[Any], keep: afterfork.Keep) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs)
-        afterfork.lift_all(lifts)  # (after a teardown that lifted already: a no-op)
+        keep.lift()  # (after a teardown that lifted already: a no-op)
 
 
 def _kill_and_reap(procs: list[Any]) -> None:

@@ -15,6 +15,7 @@ import multiprocessing.process
 import os
 import select
 import signal
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -319,7 +320,7 @@ class ReadsAPoolOnStart:
         self.pool, self.go, self.out = pool, go, out
 
     def __call__(self, worker_id: int) -> None:
-        if os.read(self.go, 1):
+        if os.read(self.go, 1) and self.pool:  # (a worker forked before it was filled: none)
             os.write(self.out, (",".join(map(str, self.pool[0][:, 0].tolist())) + "\n").encode())
 
 
@@ -360,8 +361,8 @@ def test_workers_an_interrupted_start_leaves_behind_never_read_a_reused_slot(
             real = afterfork.forking_workers
 
             @contextlib.contextmanager
-            def interrupted(lifts: list[Any]) -> Iterator[None]:
-                with real(lifts):
+            def interrupted(keep: Any) -> Iterator[None]:
+                with real(keep):
                     yield
                 raise Alarm
 
@@ -441,6 +442,123 @@ def test_a_batch_lent_while_workers_start_is_kept_for_them(
 
 
 @frees_its_loaders_on_failure
+def test_a_batch_lent_after_a_workers_fork_hook_and_before_the_fork_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 28: Python runs other fork hooks after shmloader's (logging's takes its lock),
+    then forks; a batch another thread lent in between was shared by the worker and not kept.
+    Here that thread holds logging's lock, lends once the last worker's keep is taken, then
+    lets go."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it_a = iter(a)
+    pool: list[torch.Tensor] = []
+    took, holding, failed = threading.Event(), threading.Event(), []
+    real_take = afterfork.Keep.take
+    takes = []
+
+    def take_then_wait(self: Any, pid: int) -> None:
+        real_take(self, pid)
+        takes.append(pid)
+        if len(takes) == 2:  # the last worker's fork (an earlier one's keep covers later lends)
+            took.set()
+            if not holding.wait(30):  # the lender holds logging's lock: its hook will wait
+                failed.append("the lender did not take logging's lock")
+
+    def lender() -> None:
+        if not took.wait(30):
+            failed.append("no second fork")
+            return
+        with logging_module_lock():
+            holding.set()
+            pool.append(next(it_a))  # after shmloader's hook, before the fork
+
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
+                                 worker_init_fn=ReadsAPoolOnStart(pool, go_r, out_w))  # fmt: skip
+        monkeypatch.setattr(afterfork.Keep, "take", take_then_wait)
+        thread = threading.Thread(target=lender)
+        thread.start()
+        it_b = iter(b)  # its second fork waits for logging's lock: the lender lends meanwhile
+        thread.join(30)
+        monkeypatch.undo()
+        assert not failed and len(pool) == 1
+        pool.clear()
+        gc.collect()
+        assert a.stats().slots_kept == 1, "the batch b's workers share was not kept"
+        assert firsts(list(it_a)) == ALL[1:]
+        os.write(go_w, b"xx")
+    finally:
+        for fd in (go_w, out_w):
+            os.close(fd)
+    del it_b
+    gc.collect()
+    lines = _lines_until_eof(out_r)
+    os.close(out_r)
+    os.close(go_r)
+    assert all(line == "0,1,2,3" for line in lines), lines
+    assert a.stats().slots_kept == 0
+
+
+@contextlib.contextmanager
+def logging_module_lock() -> Iterator[None]:
+    """Hold the lock logging's fork hook takes (as logging.getLogger() holds it)."""
+    import logging
+
+    lock = logging._lock  # type: ignore[attr-defined]
+    with lock:
+        yield
+
+
+class ForksAReader:
+    """A ``worker_init_fn`` that forks a process reading a batch of another loader (a replay
+    pool) once the test says go, writing the first value of each row to ``out``, then
+    leaving; the worker goes on at once."""
+
+    def __init__(self, pool: list[torch.Tensor], go: int, out: int) -> None:
+        self.pool, self.go, self.out = pool, go, out
+
+    def __call__(self, worker_id: int) -> None:
+        if worker_id == 0 and os.fork() == 0:
+            try:
+                if os.read(self.go, 1):
+                    row = ",".join(map(str, self.pool[0][:, 0].tolist()))
+                    os.write(self.out, (row + "\n").encode())
+            finally:
+                os._exit(0)
+
+
+@frees_its_loaders_on_failure
+def test_a_process_a_worker_forks_keeps_the_batches_the_worker_shares() -> None:
+    """Review 28: a shmloader worker shares the slots lent when it started, uncopied; a process
+    it forked copied nothing (its parent lent nothing), and read a reused slot once the worker
+    had ended and the slot was let go. It copies what the worker shares."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it_a = iter(a)
+    pool = [next(it_a)]
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
+                                 worker_init_fn=ForksAReader(pool, go_r, out_w))  # fmt: skip
+        assert firsts(list(b)) == ALL  # its workers end with the epoch
+        pool.clear()
+        gc.collect()
+        assert a.stats().slots_kept == 0
+        assert firsts(list(it_a)) == ALL[1:]  # the arena reuses the slot
+        assert firsts(list(a)) == ALL
+        os.write(go_w, b"x")
+    finally:
+        for fd in (go_w, out_w):
+            os.close(fd)
+    lines = _lines_until_eof(out_r)
+    os.close(out_r)
+    os.close(go_r)
+    assert lines == ["0,1,2,3"]
+
+
+@frees_its_loaders_on_failure
 def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
     interrupt_once: Any,
 ) -> None:
@@ -472,7 +590,7 @@ def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
 def test_an_interruption_while_slots_are_kept_for_new_workers_keeps_all_and_none_for_good(
     interrupt_once: Any,
 ) -> None:
-    """Review 26: an interruption inside afterfork.keep_lent (the second loader's quarantine)
+    """Review 26: an interruption inside afterfork's keep (the second loader's quarantine)
     lost the first loader's, which kept its slot for good. The keep is made in each worker's
     fork hook now, where nothing stops the fork (Python reports the interruption and forks):
     it must keep every loader's slots all the same, and give them all back."""

@@ -177,7 +177,7 @@ def other_thread(request: pytest.FixtureRequest) -> Iterator[Callable[[], None]]
             return
 
         def starting_workers() -> None:
-            with afterfork.forking_workers([]):
+            with afterfork.forking_workers(afterfork.Keep()):
                 entered.set()
                 leave.wait(HANG_S)
 

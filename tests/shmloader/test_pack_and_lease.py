@@ -140,18 +140,20 @@ def test_a_quarantined_slot_goes_back_only_once_every_quarantine_holding_it_is_l
     # be reused only when the workers of both are gone, in whichever order they go.
     leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
     batch = leases.open(desc)
-    kept: list = []
-    leases.quarantine(kept)
-    leases.quarantine(kept)
-    (_, first), (_, second) = kept
+    kept_a: dict = {}
+    kept_b: dict = {}  # two keepers (the workers of two iterators): a quarantine each
+    leases.quarantine(kept_a)
+    leases.quarantine(kept_b)
+    ((_, first),), ((_, second),) = kept_a.values(), kept_b.values()
     del batch
     assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT and leases.kept == 1
     leases.lift(first)
     assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT and leases.kept == 1
     leases.lift(second)
     assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE and leases.kept == 0
-    leases.quarantine(kept)
-    assert len(kept) == 2  # nothing lent: nothing to keep
+    fresh: dict = {}
+    leases.quarantine(fresh)
+    assert fresh == {}  # nothing lent: nothing to keep
 
 
 def test_a_batch_with_many_atoms_is_not_cached_but_a_small_structure_is(arena):
