@@ -324,18 +324,39 @@ class ReadsAPoolOnStart:
             os.write(self.out, (",".join(map(str, self.pool[0][:, 0].tolist())) + "\n").encode())
 
 
-def _lines_until_eof(fd: int) -> list[str]:
-    """What the writers of pipe ``fd`` wrote, once every one of them has closed it (or 30 s
-    passed without a byte)."""
-    read = b""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    while poller.poll(30_000):
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        read += chunk
-    return read.decode().split()
+class ReaderPipes:
+    """The pipes of the readers a worker starts (:class:`ReadsAPoolOnStart`,
+    :class:`ForksAReader`): ``ends`` theirs; :meth:`go` lets ``n`` of them read;
+    :meth:`lines`, what they wrote once every one is gone (or 30 s passed without a byte)."""
+
+    def __init__(self) -> None:
+        self.go_r, self.go_w = os.pipe()
+        self.out_r, self.out_w = os.pipe()
+        self.ends = (self.go_r, self.out_w)
+        self.ends_ours: tuple[int, ...] = (self.go_w, self.out_w)
+
+    def go(self, n: int) -> None:
+        os.write(self.go_w, b"x" * n)
+
+    def close_ours(self) -> None:
+        """Close this process's write ends (the readers hold their own). Idempotent."""
+        ours, self.ends_ours = self.ends_ours, ()
+        for fd in ours:
+            os.close(fd)
+
+    def lines(self) -> list[str]:
+        self.close_ours()
+        read = b""
+        poller = select.poll()
+        poller.register(self.out_r, select.POLLIN)
+        while poller.poll(30_000):
+            chunk = os.read(self.out_r, 4096)
+            if not chunk:
+                break
+            read += chunk
+        os.close(self.out_r)
+        os.close(self.go_r)
+        return read.decode().split()
 
 
 @pytest.mark.parametrize("where", ["as forking_workers exits", "as the second start returns"])
@@ -352,11 +373,10 @@ def test_workers_an_interrupted_start_leaves_behind_never_read_a_reused_slot(
     a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     it_a = iter(a)
     pool = [next(it_a)]  # rows 0-3, in a slot of a's arena
-    go_r, go_w = os.pipe()
-    out_r, out_w = os.pipe()
+    pipes = ReaderPipes()
     try:
         b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
-                                 worker_init_fn=ReadsAPoolOnStart(pool, go_r, out_w))  # fmt: skip
+                                 worker_init_fn=ReadsAPoolOnStart(pool, *pipes.ends))  # fmt: skip
         if where == "as forking_workers exits":
             real = afterfork.forking_workers
 
@@ -386,13 +406,10 @@ def test_workers_an_interrupted_start_leaves_behind_never_read_a_reused_slot(
         del pool_batch
         assert firsts(list(it_a)) == ALL[1:]  # the arena reuses its free slots
         assert firsts(list(a)) == ALL
-        os.write(go_w, b"xx")
+        pipes.go(2)
     finally:
-        for fd in (go_w, out_w):
-            os.close(fd)
-    lines = _lines_until_eof(out_r)
-    os.close(out_r)
-    os.close(go_r)
+        pipes.close_ours()
+    lines = pipes.lines()
     del kept_traceback
     assert all(line == "0,1,2,3" for line in lines), lines
 
@@ -408,11 +425,10 @@ def test_a_batch_lent_while_workers_start_is_kept_for_them(
     a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     it_a = iter(a)
     pool: list[torch.Tensor] = []
-    go_r, go_w = os.pipe()
-    out_r, out_w = os.pipe()
+    pipes = ReaderPipes()
     try:
         b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
-                                 worker_init_fn=ReadsAPoolOnStart(pool, go_r, out_w))  # fmt: skip
+                                 worker_init_fn=ReadsAPoolOnStart(pool, *pipes.ends))  # fmt: skip
         real_start = multiprocessing.process.BaseProcess.start
 
         def lend_then_start(self: Any) -> None:  # as another thread lending meanwhile
@@ -428,15 +444,12 @@ def test_a_batch_lent_while_workers_start_is_kept_for_them(
         assert a.stats().slots_kept == 1, "the batch b's workers share was not kept"
         assert firsts(list(it_a)) == ALL[1:]
         assert firsts(list(a)) == ALL
-        os.write(go_w, b"xx")
+        pipes.go(2)
     finally:
-        for fd in (go_w, out_w):
-            os.close(fd)
+        pipes.close_ours()
     del it_b
     gc.collect()
-    lines = _lines_until_eof(out_r)
-    os.close(out_r)
-    os.close(go_r)
+    lines = pipes.lines()
     assert all(line == "0,1,2,3" for line in lines), lines
     assert a.stats().slots_kept == 0
 
@@ -472,11 +485,10 @@ def test_a_batch_lent_after_a_workers_fork_hook_and_before_the_fork_is_kept(
             holding.set()
             pool.append(next(it_a))  # after shmloader's hook, before the fork
 
-    go_r, go_w = os.pipe()
-    out_r, out_w = os.pipe()
+    pipes = ReaderPipes()
     try:
         b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
-                                 worker_init_fn=ReadsAPoolOnStart(pool, go_r, out_w))  # fmt: skip
+                                 worker_init_fn=ReadsAPoolOnStart(pool, *pipes.ends))  # fmt: skip
         monkeypatch.setattr(afterfork.Keep, "take", take_then_wait)
         thread = threading.Thread(target=lender)
         thread.start()
@@ -488,15 +500,12 @@ def test_a_batch_lent_after_a_workers_fork_hook_and_before_the_fork_is_kept(
         gc.collect()
         assert a.stats().slots_kept == 1, "the batch b's workers share was not kept"
         assert firsts(list(it_a)) == ALL[1:]
-        os.write(go_w, b"xx")
+        pipes.go(2)
     finally:
-        for fd in (go_w, out_w):
-            os.close(fd)
+        pipes.close_ours()
     del it_b
     gc.collect()
-    lines = _lines_until_eof(out_r)
-    os.close(out_r)
-    os.close(go_r)
+    lines = pipes.lines()
     assert all(line == "0,1,2,3" for line in lines), lines
     assert a.stats().slots_kept == 0
 
@@ -537,24 +546,20 @@ def test_a_process_a_worker_forks_keeps_the_batches_the_worker_shares() -> None:
     a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     it_a = iter(a)
     pool = [next(it_a)]
-    go_r, go_w = os.pipe()
-    out_r, out_w = os.pipe()
+    pipes = ReaderPipes()
     try:
         b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
-                                 worker_init_fn=ForksAReader(pool, go_r, out_w))  # fmt: skip
+                                 worker_init_fn=ForksAReader(pool, *pipes.ends))  # fmt: skip
         assert firsts(list(b)) == ALL  # its workers end with the epoch
         pool.clear()
         gc.collect()
         assert a.stats().slots_kept == 0
         assert firsts(list(it_a)) == ALL[1:]  # the arena reuses the slot
         assert firsts(list(a)) == ALL
-        os.write(go_w, b"x")
+        pipes.go(1)
     finally:
-        for fd in (go_w, out_w):
-            os.close(fd)
-    lines = _lines_until_eof(out_r)
-    os.close(out_r)
-    os.close(go_r)
+        pipes.close_ours()
+    lines = pipes.lines()
     assert lines == ["0,1,2,3"]
 
 
