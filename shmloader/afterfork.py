@@ -55,7 +55,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from arena import Mapping, Segment, privatize, userwarn
-from shmloader.lease import FORKS_PENDING, Quarantine
+from shmloader.lease import FORKS_PENDING, KeptTables, Quarantine
 
 if TYPE_CHECKING:
     from shmloader.lease import Lease, Leases
@@ -123,7 +123,7 @@ class Keep:
     __slots__ = ("closed", "tables")
 
     def __init__(self) -> None:
-        self.tables: dict[int, tuple[Leases, Quarantine]] = {}  # id(leases) -> its quarantine
+        self.tables = KeptTables()  # id(leases) -> its quarantine
         self.closed: dict[int, tuple[list[Quarantine], Quarantine]] = {}  # id(record's list)
 
     def take(self, pid: int) -> None:
@@ -151,6 +151,7 @@ class Keep:
             raise
 
     def _lift(self) -> None:
+        self.tables.lifted = True  # a lend racing this lift adds nothing more (review 29)
         for leases, q in list(self.tables.values()):
             leases.lift(q)
         for quarantines, q in list(self.closed.values()):
@@ -202,7 +203,10 @@ def _before() -> None:
     _fork.worker = workers is not None
     if workers is not None:  # a shmloader worker: it shares what is lent now, until it ends
         _keep_until_forked(workers, pid)
-    _fork.copy = workers is None and bool(_lent(pid, _shared_from))
+    # A plain child copies what is lent at the fork itself: also when nothing is lent at this
+    # hook, if a loader of this process may lend before the fork (review 29).
+    may_lend = any(owner == pid for owner in list(_tracked.values()))
+    _fork.copy = workers is None and (bool(_lent(pid, _shared_from)) or may_lend)
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
         _fork.keep = Keep()
@@ -249,7 +253,10 @@ def _my_end(child: bool) -> int | None:
 
 
 def _in_child() -> None:
-    global _shared_from
+    global _shared_from, _pending_lock
+    # Another thread of the parent may have held it at the fork (review 29: the child's next
+    # fork waited for good): a fresh one.
+    _pending_lock = threading.Lock()
     FORKS_PENDING.clear()  # the parent's forks; none of this process
     _fork.pending = None
     _fork.workers = None  # the parent was starting workers; a fork here is no worker's

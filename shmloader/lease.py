@@ -54,7 +54,14 @@ from shmloader.rebuild import Rebuilder
 # The keeps (``afterfork.Keep.tables``) of forks under way in this process, from their first
 # hook until the fork is done: a batch lent meanwhile joins each (the child shares, or copies,
 # what was lent at the fork itself, which other threads may lend to after the hook's snapshot).
-FORKS_PENDING: list[dict[int, tuple[Leases, Quarantine]]] = []
+FORKS_PENDING: list[KeptTables] = []
+
+
+class KeptTables(dict):  # type: ignore[type-arg]
+    """A keeper's quarantines, by ``id`` of their lease table (:meth:`Leases.quarantine`);
+    ``lifted`` once let go, after which it takes no more."""
+
+    lifted = False
 
 
 class Lease(weakref.ref):  # type: ignore[type-arg]
@@ -260,12 +267,14 @@ class Leases:
             finally:
                 self._inside = None
 
-    def quarantine(self, kept: dict[int, tuple[Leases, Quarantine]]) -> None:
+    def quarantine(self, kept: KeptTables) -> None:
         """Before a fork: keep every slot lent now out of use until :meth:`lift`, in the
         quarantine ``kept`` holds for this table (one per keeper: a later fork adds the slots
         lent since to it), or a new one, recorded in ``kept`` before it keeps anything
         (whoever lifts from ``kept`` knows it: review 27). Nothing when nothing is lent."""
         with self.lock:
+            if kept.lifted:  # (a lend racing the keeper's lift)
+                return
             refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
             have = kept.get(id(self))
             if have is not None and have[1].active:

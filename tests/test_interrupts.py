@@ -510,6 +510,74 @@ def test_a_batch_lent_after_a_workers_fork_hook_and_before_the_fork_is_kept(
     assert a.stats().slots_kept == 0
 
 
+@frees_its_loaders_on_failure
+def test_a_plain_child_forked_with_nothing_lent_at_the_hook_keeps_a_batch_lent_before_the_fork(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 29: with nothing lent when shmloader's fork hook ran, a plain fork made no keep
+    and copied nothing; a batch another thread lent before the fork itself (here while the
+    fork waits for logging's lock) was shared by the child, uncopied, and its slot reused."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it_a = iter(a)
+    pool: list[torch.Tensor] = []
+    hooked, holding, failed = threading.Event(), threading.Event(), []
+    real_lent = afterfork._lent
+
+    def lent_then_say(*pids: Any) -> Any:  # shmloader's hook asks what is lent
+        out = real_lent(*pids)
+        if threading.current_thread() is threading.main_thread():
+            hooked.set()
+            if not holding.wait(30):
+                failed.append("the lender did not take logging's lock")
+        return out
+
+    def lender() -> None:
+        if not hooked.wait(30):
+            failed.append("no fork hook ran")
+            return
+        with logging_module_lock():
+            holding.set()
+            pool.append(next(it_a))  # after shmloader's hook, before the fork
+
+    pipes = ReaderPipes()
+    thread = threading.Thread(target=lender)
+    thread.start()
+    monkeypatch.setattr(afterfork, "_lent", lent_then_say)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(pipes.go_w)  # (EOF once the parent closes its end)
+                if os.read(pipes.go_r, 1):
+                    row = ",".join(map(str, pool[0][:, 0].tolist()))
+                    os.write(pipes.out_w, (row + "\n").encode())
+                code = 0
+            finally:
+                os._exit(code)
+        monkeypatch.undo()
+        thread.join(30)
+        assert not failed and len(pool) == 1
+        pool.clear()
+        gc.collect()
+        assert firsts(list(it_a)) == ALL[1:]  # the arena reuses its free slots
+        assert firsts(list(a)) == ALL
+        pipes.go(1)
+    finally:
+        pipes.close_ours()
+    lines = pipes.lines()
+    os.waitpid(pid, 0)
+    assert lines == ["0,1,2,3"]
+
+
+def test_a_child_starts_with_the_fork_bookkeeping_lock_free() -> None:
+    """Review 29: a thread of the parent could hold afterfork's lock at the fork (its fork hook
+    runs while other threads run on); the child's next fork then waited for good."""
+    with afterfork._pending_lock:  # as another thread inside _fork_done at the fork
+        child = ForkedChild(lambda: afterfork._pending_lock.acquire(timeout=5), timeout=30)
+        assert child.result() is True
+
+
 @contextlib.contextmanager
 def logging_module_lock() -> Iterator[None]:
     """Hold the lock logging's fork hook takes (as logging.getLogger() holds it)."""

@@ -8,7 +8,7 @@ import torch
 from arena import SlotState
 from shmloader import protocol as P
 from shmloader.collate import SlotSession, slot_default_collate
-from shmloader.lease import Leases
+from shmloader.lease import KeptTables, Leases
 from shmloader.pack import Packed, used_bytes
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
@@ -140,8 +140,8 @@ def test_a_quarantined_slot_goes_back_only_once_every_quarantine_holding_it_is_l
     # be reused only when the workers of both are gone, in whichever order they go.
     leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
     batch = leases.open(desc)
-    kept_a: dict = {}
-    kept_b: dict = {}  # two keepers (the workers of two iterators): a quarantine each
+    kept_a = KeptTables()
+    kept_b = KeptTables()  # two keepers (the workers of two iterators): a quarantine each
     leases.quarantine(kept_a)
     leases.quarantine(kept_b)
     ((_, first),), ((_, second),) = kept_a.values(), kept_b.values()
@@ -151,7 +151,7 @@ def test_a_quarantined_slot_goes_back_only_once_every_quarantine_holding_it_is_l
     assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT and leases.kept == 1
     leases.lift(second)
     assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE and leases.kept == 0
-    fresh: dict = {}
+    fresh = KeptTables()
     leases.quarantine(fresh)
     assert fresh == {}  # nothing lent: nothing to keep
 
