@@ -27,13 +27,14 @@ forked later still copies those batches and lets go of those slabs (review 22: i
 ``/dev/shm`` for its whole life, after the parent dropped the batches).
 
 Invariants:
-- Only slots lent by the forking process are copied (a grandchild's copies came with its parent),
-  and only the slots of batches whose views are still alive (a slot the copy fence holds belongs
-  to a batch that is gone).
-- No slot the child copies is reused before its copy is complete: from just before the fork until
-  the child has reported, every loader keeps the slots it lends from reuse (a quarantine, lifted
-  in the parent after the fork), since the parent's other threads run on meanwhile and may drop
-  those batches.
+- Only slots lent by the forking process are copied (a grandchild's copies came with its
+  parent), and those a shmloader worker shares uncopied when that worker forks
+  (``_shared_from``); only the slots of batches whose views are still alive at the fork itself
+  (a slot the copy fence holds belongs to a batch that is gone).
+- No slot the child copies is reused before its copy is complete: from this fork's hook until
+  the child has reported, every loader keeps the slots it lends, and any it lends before the
+  fork is done (``lease.FORKS_PENDING``), from reuse (a quarantine, lifted in the parent after
+  the fork), since the parent's other threads run on meanwhile and may drop those batches.
 - shmloader's workers (forked inside :func:`forking_workers`, in the forking thread only) copy
   nothing: instead every loader of this process keeps the slots it lends at that fork from reuse
   until those workers are gone (:class:`Keep`, :class:`~shmloader.lease.Quarantine`), and
@@ -206,7 +207,7 @@ def _before() -> None:
     # A plain child copies what is lent at the fork itself: also when nothing is lent at this
     # hook, if a loader of this process may lend before the fork (review 29).
     may_lend = any(owner == pid for owner in list(_tracked.values()))
-    _fork.copy = workers is None and (bool(_lent(pid, _shared_from)) or may_lend)
+    _fork.copy = workers is None and (may_lend or bool(_lent(pid, _shared_from)))
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
         _fork.keep = Keep()

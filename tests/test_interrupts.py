@@ -521,19 +521,17 @@ def test_a_plain_child_forked_with_nothing_lent_at_the_hook_keeps_a_batch_lent_b
     it_a = iter(a)
     pool: list[torch.Tensor] = []
     hooked, holding, failed = threading.Event(), threading.Event(), []
-    real_lent = afterfork._lent
+    real_keep = afterfork._keep_until_forked
 
-    def lent_then_say(*pids: Any) -> Any:  # shmloader's hook asks what is lent
-        out = real_lent(*pids)
-        if threading.current_thread() is threading.main_thread():
-            hooked.set()
-            if not holding.wait(30):
-                failed.append("the lender did not take logging's lock")
-        return out
+    def keep_then_say(keep: Any, pid: int) -> None:  # shmloader's hook keeps what is lent
+        real_keep(keep, pid)
+        hooked.set()
+        if not holding.wait(30):
+            failed.append("the lender did not take logging's lock")
 
     def lender() -> None:
         if not hooked.wait(30):
-            failed.append("no fork hook ran")
+            failed.append("the fork kept nothing (no keep was made)")
             return
         with logging_module_lock():
             holding.set()
@@ -542,7 +540,7 @@ def test_a_plain_child_forked_with_nothing_lent_at_the_hook_keeps_a_batch_lent_b
     pipes = ReaderPipes()
     thread = threading.Thread(target=lender)
     thread.start()
-    monkeypatch.setattr(afterfork, "_lent", lent_then_say)
+    monkeypatch.setattr(afterfork, "_keep_until_forked", keep_then_say)
     try:
         pid = os.fork()
         if pid == 0:
