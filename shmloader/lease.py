@@ -209,10 +209,9 @@ class Leases:
         shmloader workers forked while its batches were lent (review 24: a quarantine outlives
         the close, and one starts after it, :class:`shmloader.afterfork.Keep`; review 25:
         a worker's mapping of one slot keeps the whole file), and every slab left page-locked.
-        It holds only the table of weak
-        references and the close record (weak references to the mappings), not this object,
-        its arena or its mappings, and reads without a drain, so it touches no book an
-        interruption may have left half-changed."""
+        It holds only the table of weak references and the close record (weak references to
+        the mappings), not this object, its arena or its mappings, and reads without a drain,
+        so it touches no book an interruption may have left half-changed."""
         live, box = self._live, self.at_close
 
         def count() -> tuple[int, int]:
