@@ -153,7 +153,7 @@ class Keep:
 
     def _lift(self) -> None:
         self.tables.lifted = True  # a lend racing this lift adds nothing more (review 29)
-        for leases, q in list(self.tables.values()):
+        for leases, q, _ in list(self.tables.values()):
             leases.lift(q)
         for quarantines, q in list(self.closed.values()):
             q.active = False

@@ -58,8 +58,9 @@ FORKS_PENDING: list[KeptTables] = []
 
 
 class KeptTables(dict):  # type: ignore[type-arg]
-    """A keeper's quarantines, by ``id`` of their lease table (:meth:`Leases.quarantine`);
-    ``lifted`` once let go, after which it takes no more."""
+    """A keeper's quarantines, by ``id`` of their lease table: ``(table, quarantine, lends)``,
+    ``lends`` the table's :attr:`Leases.lends` when the quarantine last took every batch lent
+    (:meth:`Leases.quarantine`); ``lifted`` once let go, after which it takes no more."""
 
     lifted = False
 
@@ -139,6 +140,9 @@ class Leases:
         self._by_key: dict[int, Lease] = {}
         self._slabs: dict[int, tuple[memoryview, int, int]] = {}  # id -> (buffer, slot size, base)
         self._spilled: list[weakref.ref[np.ndarray]] = []  # copies, some perhaps dead
+        # Batches lent so far: a keeper whose quarantine took every batch lent when this was
+        # the same has nothing to add (each worker's fork of an iterator asks again).
+        self.lends = 0
         # An interruption may have left these books (or the arena's) half-changed: the host is
         # retired, and at its close only what is known to be read keeps its memory (read_ranges).
         self.retired = False
@@ -270,17 +274,24 @@ class Leases:
         """Before a fork: keep every slot lent now out of use until :meth:`lift`, in the
         quarantine ``kept`` holds for this table (one per keeper: a later fork adds the slots
         lent since to it), or a new one, recorded in ``kept`` before it keeps anything
-        (whoever lifts from ``kept`` knows it: review 27). Nothing when nothing is lent."""
+        (whoever lifts from ``kept`` knows it: review 27). Nothing when nothing is lent; no
+        walk of the batches lent when none was lent since this keeper's last one (a loader's
+        N workers' forks walk them once, not N times: each walk also writes the reference
+        counts of every lease, pages a child forked before shares copy-on-write)."""
         with self.lock:
             if kept.lifted:  # (a lend racing the keeper's lift)
                 return
-            refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
             have = kept.get(id(self))
+            lends = self.lends
+            if have is not None and have[1].active and have[2] == lends:
+                return  # every batch lent since its last walk is in it already
+            refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
             if have is not None and have[1].active:
                 have[1].refs.update(refs)
+                kept[id(self)] = (self, have[1], lends)
             elif refs:
                 q = Quarantine(refs)
-                kept[id(self)] = (self, q)
+                kept[id(self)] = (self, q, lends)
                 self.quarantines.append(q)
 
     def lift(self, q: Quarantine) -> None:
@@ -342,6 +353,7 @@ class Leases:
                 if type(leaf) is torch.Tensor:
                     keys.append(leaf.untyped_storage()._cdata)
             lease.keys = tuple(keys)
+            self.lends += 1  # before the lease is live: a keeper skips no live lease unwalked
             self._live[id(lease)] = lease
             for kept in list(FORKS_PENDING) if FORKS_PENDING else ():  # (a fork under way)
                 self.quarantine(kept)
