@@ -157,6 +157,7 @@ class Keep:
             leases.lift(q)
         for quarantines, q in list(self.closed.values()):
             q.active = False
+            q.refs = set()  # (read only while active)
             with contextlib.suppress(ValueError):
                 quarantines.remove(q)
 
