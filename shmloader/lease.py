@@ -293,6 +293,11 @@ class Leases:
                 q = Quarantine(refs)
                 kept[id(self)] = (self, q, lends)
                 self.quarantines.append(q)
+                if kept.lifted:
+                    # The keeper lifted meanwhile (another thread), from a snapshot of ``kept``
+                    # taken after it set ``lifted`` and, so, maybe before this entry: lifted
+                    # here too, or the slots stayed kept for good (review 29's residue).
+                    self.lift(q)
 
     def lift(self, q: Quarantine) -> None:
         """The workers forked under ``q`` are gone: its slots may be reused. Safe to call from a

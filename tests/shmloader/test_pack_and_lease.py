@@ -197,6 +197,31 @@ def test_a_keeper_walks_the_lent_batches_again_only_after_a_lend(arena):
     assert counting.walks == 3
 
 
+class _LiftedMidway(KeptTables):
+    """A keeper that another thread lifts (as ``afterfork.Keep`` does: flag first, then every
+    quarantine in a snapshot of its entries) while a table is adding its quarantine."""
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def]
+        have = super().get(key, default)
+        self.lifted = True
+        for leases, q, _ in list(self.values()):  # (the new entry is not in it yet)
+            leases.lift(q)
+        return have
+
+
+def test_a_quarantine_added_while_its_keeper_lifts_is_lifted_too(arena):
+    # Review 29's residue: a lend racing the lift of a fork's keeper added a quarantine after
+    # the lift's snapshot; nothing ever lifted it, and the slot stayed out of use for good.
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    batch = leases.open(desc)
+    kept = _LiftedMidway()
+    leases.quarantine(kept)
+    assert kept.lifted and len(kept) == 1
+    assert [q for q in leases.quarantines if q.active] == []
+    del batch
+    assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE and leases.kept == 0
+
+
 def test_a_batch_with_many_atoms_is_not_cached_but_a_small_structure_is(arena):
     """Review 12: the worker's payload cache kept every structure's signature and payload, and a
     batch of token lists (one atom per token) never matches another: 256 of them held 437 MB
