@@ -9,9 +9,12 @@ Per worker, two streams:
 - **Replica** (IterableDatasets only; each worker iterates its own replica): how many batches
   of the epoch were consumed from the worker and, for a dataset with ``state_dict`` /
   ``load_state_dict`` (torchdata's ``Stateful`` protocol), the replica's ``state_dict()`` after
-  the last of them. The worker pickles it after each batch and sends it (``REPLICA``) just before
-  the batch's answer; the main process keeps it until that batch is consumed. A resumed worker
-  calls ``load_state_dict`` with it before ``iter()``; a replica without the protocol is fast-
+  the last of them, and whether the replica ran out inside that batch (a short last batch: its
+  ``state_dict()`` may name the start of a pass it rewound to). The worker pickles it after each
+  batch and sends it (``REPLICA``) just before the batch's answer; the main process keeps it
+  until that batch is consumed. A resumed worker calls ``load_state_dict`` with it before
+  ``iter()``, and a replica that had run out ends at its first fetch, as torch's fetcher does
+  after a short batch; a replica without the protocol is fast-
   forwarded instead (the batches already consumed are fetched again and dropped), which is exact
   for a replica that iterates the same way from the same RNGs: it replays from the worker's RNG
   as the epoch's ``iter()`` found it (``epoch_rng``, taken at the worker's first consumed batch
@@ -43,12 +46,21 @@ import copy
 import pickle
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from shmloader import protocol as P
 from shmloader.rngstate import RngRing
 
 T = TypeVar("T")
+
+
+class Replica(NamedTuple):
+    """A stateful replica's record after a batch: its pickled ``state_dict()`` (or
+    ``P.UNSAVABLE`` + why), and whether it ran out inside that batch (a short last batch: a
+    resumed worker's fetcher ends at once, as torch's did, whatever the state says)."""
+
+    state: bytes
+    ended: bool
 
 
 def last_logged(log: deque[T] | None, batches: int) -> list[T]:
@@ -86,12 +98,15 @@ class WorkerProgress:
         self.batches = [r["batches"] for r in saved] if saved else [0] * num_workers
         # Per worker: the replica's state after its last consumed batch of the epoch, or, before
         # any, as the epoch's iter() found it (a persistent replica carries state across epochs).
-        self.states: list[bytes | None] = (
-            [pickle.dumps(r["state"]) if "state" in r else None for r in saved]
+        self.states: list[Replica | None] = (
+            [
+                Replica(pickle.dumps(r["state"]), r.get("ended", False)) if "state" in r else None
+                for r in saved
+            ]
             if saved
             else [None] * num_workers
         )
-        self.pending: list[dict[int, bytes]] = [{} for _ in range(num_workers)]
+        self.pending: list[dict[int, Replica]] = [{} for _ in range(num_workers)]
         # Per worker: its RNG as the epoch's iter() of its replica found it (IterableDatasets):
         # a fast-forward replays from there. None: the worker's seed and worker_init_fn give it.
         # Taken at the worker's first consumed batch of the epoch (``_epoch_rng_due``).
@@ -107,11 +122,13 @@ class WorkerProgress:
     def restore_for(self, worker_id: int, index: Any) -> dict[str, Any] | None:
         """What a resumed worker's replica starts from (``WorkerConfig.replica_restore``);
         ``index`` is what the sampler gives an IterableDataset's fetcher for one batch."""
-        if not self.iterable or not (self.batches[worker_id] or self.states[worker_id]):
+        rec = self.states[worker_id]
+        if not self.iterable or not (self.batches[worker_id] or rec):
             return None
         return {
             "batches": self.batches[worker_id],
-            "state": self.states[worker_id],
+            "state": None if rec is None else rec.state,
+            "ended": rec is not None and rec.ended,
             "index": index,
         }
 
@@ -133,7 +150,7 @@ class WorkerProgress:
 
     def replica_state(self, msg: P.ReplicaState, epoch: int) -> None:
         if msg.epoch == epoch:
-            self.pending[msg.worker_id][msg.seq] = msg.state
+            self.pending[msg.worker_id][msg.seq] = Replica(msg.state, msg.ended)
 
     def consumed(self, worker_id: int, epoch: int, seq: int) -> None:
         """The user got the batch (or the error) of task ``seq`` of ``worker_id``."""
@@ -194,8 +211,9 @@ class WorkerProgress:
         if not self.iterable:
             return None
         workers = []
-        for wid, (n, st) in enumerate(zip(self.batches, self.states, strict=True)):
+        for wid, (n, rec) in enumerate(zip(self.batches, self.states, strict=True)):
             entry: dict[str, Any] = {"batches": n}
+            st = None if rec is None else rec.state
             if st is not None and st.startswith(P.UNSAVABLE):
                 raise RuntimeError(
                     f"cannot save the DataLoader's state: worker {wid}'s dataset replica "
@@ -205,6 +223,8 @@ class WorkerProgress:
                 )
             if st is not None:
                 entry["state"] = pickle.loads(st)
+            if rec is not None and rec.ended:  # (absent: not ended, as in states saved before)
+                entry["ended"] = True
             rng = self._rng_now(wid) if self._epoch_rng_due[wid] else self.epoch_rng[wid]
             if rng is not None:
                 entry["epoch_rng"] = rng

@@ -187,6 +187,7 @@ class ReplicaState(NamedTuple):
     epoch: int
     worker_id: int
     state: bytes  # pickle of the replica's ``state_dict()`` after task ``seq``, or UNSAVABLE + why
+    ended: bool  # the replica ran out inside that batch (a short last batch): none comes after
 
 
 UNSAVABLE: Final = b"!"  # no pickle starts so (protocol 2+ begins with PROTO, b"\x80")
@@ -238,7 +239,8 @@ def encode(msg: ToWorker | ToMain) -> bytes:
     if isinstance(msg, Dropped):
         return _EVENT.pack(Kind.DROPPED, msg.seq, msg.epoch, msg.worker_id)
     if isinstance(msg, ReplicaState):
-        return _EVENT.pack(Kind.REPLICA, msg.seq, msg.epoch, msg.worker_id) + msg.state
+        head = _EVENT.pack(Kind.REPLICA, msg.seq, msg.epoch, msg.worker_id)
+        return head + (b"\x01" if msg.ended else b"\x00") + msg.state
     if isinstance(msg, Attach):
         return _KIND.pack(Kind.ATTACH) + pickle.dumps(msg.spec, _PICKLE)
     if isinstance(msg, Detach):
@@ -288,7 +290,8 @@ def decode(frame: bytes) -> ToWorker | ToMain:
         return Dropped(seq, epoch, wid)
     if kind == Kind.REPLICA:
         _, seq, epoch, wid = _EVENT.unpack_from(frame)
-        return ReplicaState(seq, epoch, wid, bytes(memoryview(frame)[_EVENT.size :]))
+        ended = frame[_EVENT.size] == 1
+        return ReplicaState(seq, epoch, wid, bytes(memoryview(frame)[_EVENT.size + 1 :]), ended)
     if kind == Kind.ATTACH:
         return Attach(pickle.loads(memoryview(frame)[_KIND.size :]))
     if kind == Kind.DETACH:

@@ -77,6 +77,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._num_yielded = plan["yielded"]
         if replica is not None and "state" not in replica:
             self._fast_forward(replica["batches"])
+        elif replica is not None and replica.get("ended"):
+            # It ran out inside the last batch consumed: it ends there, whatever its state says.
+            self._dataset_fetcher.ended = True
 
     def _fast_forward(self, batches: int) -> None:
         saved = rngstate.capture()  # the draws of batches already consumed are not replayed
@@ -163,4 +166,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # A copy: the dataset may go on changing the dict it returned (the worker path
             # pickles it at once).
             entry["state"] = copy.deepcopy(self._dataset.state_dict())  # type: ignore[attr-defined]
+            if getattr(self._dataset_fetcher, "ended", False):  # ran out in the last batch
+                entry["ended"] = True
         return {"workers": [entry], "assign": [], "next_worker": 0}

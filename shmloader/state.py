@@ -21,7 +21,8 @@ data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads bac
                   not consumed, or None where the worker's seed alone gives it
     replicas      IterableDatasets mid-epoch (else None): per worker (one entry with
                   num_workers=0) the batches of the epoch consumed from it and, for a dataset
-                  with ``state_dict`` / ``load_state_dict``, its ``state_dict()`` after them;
+                  with ``state_dict`` / ``load_state_dict``, its ``state_dict()`` after them
+                  (and ``ended``: True when it ran out inside the last of them);
                   the workers of the tasks in flight and torch's round-robin pointer
                   (``shmloader.progress``)
     main_rng      the main process's torch / random / NumPy state at ``state_dict()``
@@ -214,12 +215,14 @@ def _check_types(sd: dict[str, Any]) -> None:
             or (type(w["epoch_rng"]) is bytes and len(w["epoch_rng"]) == SNAPSHOT)
             for w in rep["workers"]
         )
+        and all(type(w.get("ended", False)) is bool for w in rep["workers"])
         and isinstance(rep.get("assign"), list)
         and type(rep.get("next_worker")) is int
     ):
         raise bad(
             "replicas",
-            "None or a dict of workers (batches, epoch_rng snapshots), assign and next_worker",
+            "None or a dict of workers (batches, epoch_rng snapshots, ended flags), assign and "
+            "next_worker",
         )
     if not isinstance(sd["workers"], list) or any(
         w is not None and (type(w) is not bytes or len(w) != SNAPSHOT) for w in sd["workers"]

@@ -202,10 +202,14 @@ class _Worker:
             if cfg.rng_epoch_start is not None:
                 restore(cfg.rng_epoch_start)
             restore_replica = cfg.replica_restore
+            ended = False
             if restore_replica is not None and restore_replica["state"] is not None:
                 self.dataset.load_state_dict(pickle.loads(restore_replica["state"]))
+                ended = restore_replica["ended"]
                 restore_replica = None
             self.make_fetcher()
+            if ended:  # it ran out inside the last batch consumed from it: its next fetch ends
+                self.fetcher.ended = True  # type: ignore[attr-defined]
             if restore_replica is not None:
                 self.fast_forward(restore_replica["batches"], restore_replica["index"])
         # User code failed: forward it to the main process, as torch does.
@@ -457,7 +461,11 @@ class _Worker:
             state = pickle.dumps(self.dataset.state_dict(), pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001
             state = P.UNSAVABLE + f"{type(e).__name__}: {e}".encode()
-        self.send(P.ReplicaState(task.seq, task.epoch, self.cfg.worker_id, state))
+        # A replica that ran out inside this batch (torch's fetcher then raises StopIteration at
+        # the next fetch) may have rewound itself as its pass ended: its state alone would
+        # resume a whole pass again (review 31).
+        ended = bool(getattr(self.fetcher, "ended", False))
+        self.send(P.ReplicaState(task.seq, task.epoch, self.cfg.worker_id, state, ended))
 
     def wait_grant(self, epoch: int, seq: int) -> SlotRef | None:
         """Block until the slot for task ``seq`` is granted. None if a DENY (answered DROPPED,

@@ -155,6 +155,51 @@ def test_a_stateful_stream_resumes_its_next_epoch_whole(workers: int, saved: str
     assert resumed_run(make, state, 3) == items[save_after:]
 
 
+class RewindsAtPassEnd(IterableDataset):  # type: ignore[type-arg]
+    """Stateful, its state the position in the pass, which it sets back to 0 once a pass ends
+    (so the next ``iter()`` starts over): 10 items, sharded by worker."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        wid, nw = _worker()
+        shard = [i for i in range(10) if i % nw == wid]
+        while self.pos < len(shard):
+            self.pos += 1
+            yield torch.tensor([float(shard[self.pos - 1]), torch.rand(()).item()])
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.pos = sd["pos"]
+
+
+@pytest.mark.parametrize("at", ["last batch", "one before"])
+@pytest.mark.parametrize("workers", [0, 2, "persistent"])
+def test_a_stream_that_ran_out_inside_a_short_batch_resumes_past_it(
+    workers: int | str, at: str
+) -> None:
+    """Review 31: a replica that ran out inside a short last batch had already rewound its
+    state to the start of a pass, so a state saved there resumed a whole pass again (6 extra
+    batches with 2 workers). The state records that the replica ended, and the resumed one
+    ends there, as torch's fetcher does after a short batch."""
+    n = 0 if workers == 0 else 2
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(RewindsAtPassEnd(), batch_size=4, num_workers=n,
+                          persistent_workers=workers == "persistent",
+                          timeout=TIMEOUT if n else 0)  # fmt: skip
+
+    per_epoch = 3 if n == 0 else 4  # 4 + 4 + 2, or per worker of 5 items: 4 + 1
+    save_after = per_epoch - (at == "one before")
+    _, after, resumed = uninterrupted_and_resumed(make, 2, save_after)
+    assert len(after) == 2 * per_epoch - save_after
+    assert resumed == after
+
+
 # -- datasets and samplers that shuffle with the global RNGs -----------------------------------
 
 

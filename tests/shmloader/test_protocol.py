@@ -27,8 +27,8 @@ DESC = Descriptor(REF, (ArraySpec(0, 8, (4, 3)), ArraySpec(64, 6, ())), 128, 33)
         P.NeedSlot(12, 0, 1, 1 << 33, REF),
         P.Detach(7),
         P.Exhausted(13, 1, 0),
-        P.ReplicaState(14, 2, 1, b"\x80\x05state"),
-        P.ReplicaState(15, 2, 1, b""),
+        P.ReplicaState(14, 2, 1, b"\x80\x05state", False),
+        P.ReplicaState(15, 2, 1, b"", True),
     ],
     ids=lambda m: type(m).__name__,
 )
