@@ -53,7 +53,7 @@ import select
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from arena import Mapping, Segment, privatize, userwarn
 from shmloader.lease import FORKS_PENDING, KeptTables, Quarantine
@@ -85,6 +85,20 @@ _pending_lock = threading.Lock()  # changes to lease.FORKS_PENDING, in the paren
 # quarantine to lift, and whether it is starting shmloader workers (which copy nothing).
 # Thread-local: another thread's fork, even while workers start here, copies as usual.
 _fork = threading.local()
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _entries(table: weakref.WeakKeyDictionary[K, V]) -> list[tuple[K, V]]:
+    """``table``'s live entries, read at once. Iterating a weak dictionary raises
+    ``RuntimeError`` (dictionary changed size) when code that the garbage collector runs
+    meanwhile changes it explicitly: a loader's finalizer closing its arena
+    (:func:`track_closed` pops its table), inside a fork hook (review 31). Copying the
+    underlying dict allocates nothing per entry, so no collection runs inside the copy."""
+    data: dict[weakref.ref[K], V] = table.data  # type: ignore[attr-defined]
+    refs = data.copy()
+    return [(k, v) for k, v in ((ref(), v) for ref, v in refs.items()) if k is not None]
 
 
 def track(leases: Leases) -> None:
@@ -129,7 +143,7 @@ class Keep:
 
     def take(self, pid: int) -> None:
         """Keep every slot the loaders of process ``pid`` lend now (call in ``pid``)."""
-        for leases, owner in list(_tracked.items()):
+        for leases, owner in _entries(_tracked):
             if owner == pid:
                 leases.quarantine(self.tables)
         for record in [c for c in list(_closed) if c.owner == pid]:
@@ -178,7 +192,7 @@ def forking_workers(keep: Keep) -> Iterator[None]:
 def _lent(*pids: int | None) -> list[tuple[int, int]]:
     """The address ranges of the slots processes ``pids`` lend, as of their last drain, from
     open arenas and closed ones."""
-    tables = [leases.live() for leases, owner in list(_tracked.items()) if owner in pids]
+    tables = [leases.live() for leases, owner in _entries(_tracked) if owner in pids]
     tables += [c.leases for c in list(_closed) if c.owner in pids]
     return [(lease.lo, lease.hi - lease.lo) for t in tables for lease in t if lease() is not None]
 
@@ -186,13 +200,13 @@ def _lent(*pids: int | None) -> list[tuple[int, int]]:
 def _let_go(pid: int, keep: list[tuple[int, int]]) -> None:
     """In a child: give up process ``pid``'s arenas, open or closed, but the ranges in
     ``keep``."""
-    arenas = {id(x.arena): x.arena for x, owner in list(_tracked.items()) if owner == pid}
+    arenas = {id(x.arena): x.arena for x, owner in _entries(_tracked) if owner == pid}
     for arena in arenas.values():
         arena.let_go_after_fork(keep)
     for closed in [c for c in list(_closed) if c.owner == pid]:
         for mapping in closed.mappings:
             mapping.let_go_after_fork(keep)
-    for segment in [seg for seg, owner in list(_private.items()) if owner == pid]:
+    for segment in [seg for seg, owner in _entries(_private) if owner == pid]:
         segment.let_go_after_fork([])
 
 
@@ -207,7 +221,7 @@ def _before() -> None:
         _keep_until_forked(workers, pid)
     # A plain child copies what is lent at the fork itself: also when nothing is lent at this
     # hook, if a loader of this process may lend before the fork (review 29).
-    may_lend = any(owner == pid for owner in list(_tracked.values()))
+    may_lend = any(owner == pid for _, owner in _entries(_tracked))
     _fork.copy = workers is None and (may_lend or bool(_lent(pid, _shared_from)))
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.

@@ -209,7 +209,7 @@ class _Worker:
                 restore_replica = None
             self.make_fetcher()
             if ended:  # it ran out inside the last batch consumed from it: its next fetch ends
-                self.fetcher.ended = True  # type: ignore[attr-defined]
+                self.fetcher.ended = True
             if restore_replica is not None:
                 self.fast_forward(restore_replica["batches"], restore_replica["index"])
         # User code failed: forward it to the main process, as torch does.

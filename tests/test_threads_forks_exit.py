@@ -38,6 +38,7 @@ import sys
 import textwrap
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -853,3 +854,41 @@ def test_a_child_forked_after_the_loader_closed_copies_its_batches_and_gives_up_
     held.clear()
     gc.collect()
     assert _of(_files_of("self"), slabs) == NOTHING
+
+
+
+class _ChangesWhileWalked(dict):  # type: ignore[type-arg]
+    """afterfork's books' inner dict, in which an entry goes as soon as a walk of them has
+    begun: what a loader's finalizer, run by the garbage collector inside a fork hook, does
+    (closing its arena takes its table out of the books: track_closed)."""
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        for n, item in enumerate(super().items()):
+            if n == 1:
+                super().pop(next(iter(self)))
+            yield item
+
+
+@pytest.mark.parametrize("reader", ["lent", "let_go", "keep", "fork hook"])
+def test_a_table_leaving_the_books_inside_a_fork_hook_does_not_break_it(
+    reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Review 31: "RuntimeError: dictionary changed size during iteration" from a fork hook,
+    # when the garbage collector ran a loader's finalizer while the hook walked the books.
+    class Table:  # stands in for a lease table; owner pid -1 is no process's
+        pass
+
+    tables = [Table() for _ in range(4)]
+    books = weakref.WeakKeyDictionary(dict.fromkeys(tables, -1))
+    books.data = _ChangesWhileWalked(books.data)  # type: ignore[attr-defined]
+    monkeypatch.setattr(afterfork, "_tracked", books)
+    if reader == "lent":
+        assert afterfork._lent(-2) == []
+    elif reader == "let_go":
+        afterfork._let_go(-2, [])
+    elif reader == "keep":
+        afterfork.Keep().take(-2)
+    else:
+        monkeypatch.setattr(afterfork, "_keep_until_forked", lambda keep, pid: None)
+        afterfork._before()
+        afterfork._in_parent()
