@@ -28,9 +28,11 @@ forked later still copies those batches and lets go of those slabs (review 22: i
 
 Invariants:
 - Only slots lent by the forking process are copied (a grandchild's copies came with its
-  parent), and those a shmloader worker shares uncopied when that worker forks
-  (``_shared_from``); only the slots of batches whose views are still alive at the fork itself
-  (a slot the copy fence holds belongs to a batch that is gone).
+  parent), those a shmloader worker shares uncopied when that worker forks (``_shared_from``:
+  its parent's, and those its parent shares uncopied in turn, in a worker of a loader made
+  inside a worker), and, inside a worker's task, the slot it is writing (:func:`_writing`);
+  of lent slots, only those of batches whose views are still alive at the fork itself (a slot
+  the copy fence holds belongs to a batch that is gone).
 - No slot the child copies is reused before its copy is complete: from this fork's hook until
   the child has reported, every loader keeps the slots it lends, and any it lends before the
   fork is done (``lease.FORKS_PENDING``), from reuse (a quarantine, lifted in the parent after
@@ -56,6 +58,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from arena import Mapping, Segment, privatize, userwarn
+from shmloader import collate
 from shmloader.lease import FORKS_PENDING, KeptTables, Quarantine
 
 if TYPE_CHECKING:
@@ -75,8 +78,10 @@ class _Closed(NamedTuple):
 
 _tracked: weakref.WeakKeyDictionary[Leases, int] = weakref.WeakKeyDictionary()  # -> owner pid
 _closed: list[_Closed] = []  # arenas closed while views of them live (track_closed)
-# In a shmloader worker: the process whose lent slots it shares without a copy (its parent).
-_shared_from: int | None = None
+# In a shmloader worker: the processes whose lent slots it shares without a copy: its parent,
+# and, in a worker of a loader made inside a worker, that worker's own (review 30: a process a
+# nested worker forked copied its parent's lent slots but not the main process's).
+_shared_from: tuple[int, ...] = ()
 # Other shared memory of this process's loaders that no child reads (RNG rings) -> owner pid.
 _private: weakref.WeakKeyDictionary[Segment, int] = weakref.WeakKeyDictionary()
 _pending_lock = threading.Lock()  # changes to lease.FORKS_PENDING, in the parent (never held
@@ -197,6 +202,15 @@ def _lent(*pids: int | None) -> list[tuple[int, int]]:
     return [(lease.lo, lease.hi - lease.lo) for t in tables for lease in t if lease() is not None]
 
 
+def _writing() -> tuple[int, int] | None:
+    """In a shmloader worker, inside a task: the ``(address, bytes)`` of the slot it is writing
+    the batch into. A process forked there (in the dataset or the collate_fn) copies it: the
+    main process reuses the slot once that batch is gone (review 30: a child forked in a
+    collate_fn that filled ``shmloader.empty()`` read the next epoch's batch there)."""
+    session = collate.current_session()
+    return None if session is None else session.slot_range()
+
+
 def _let_go(pid: int, keep: list[tuple[int, int]]) -> None:
     """In a child: give up process ``pid``'s arenas, open or closed, but the ranges in
     ``keep``."""
@@ -222,7 +236,9 @@ def _before() -> None:
     # A plain child copies what is lent at the fork itself: also when nothing is lent at this
     # hook, if a loader of this process may lend before the fork (review 29).
     may_lend = any(owner == pid for _, owner in _entries(_tracked))
-    _fork.copy = workers is None and (may_lend or bool(_lent(pid, _shared_from)))
+    _fork.copy = workers is None and (
+        may_lend or _writing() is not None or bool(_lent(pid, *_shared_from))
+    )
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
         _fork.keep = Keep()
@@ -283,11 +299,15 @@ def _in_child() -> None:
     if parent is None:
         return
     done = b"x"  # copying failed: the parent warns
-    keep = _lent(parent, _shared_from)
+    keep = _lent(parent, *_shared_from)
+    writing = _writing()
+    if writing is not None:
+        keep.append(writing)
     if getattr(_fork, "worker", False):
         # A shmloader worker shares its parent's lent slots uncopied: a process it forks
-        # copies them (review 28: a grandchild read a slot reused once the worker ended).
-        _shared_from = parent
+        # copies them (review 28: a grandchild read a slot reused once the worker ended), and
+        # those its parent shares uncopied in turn.
+        _shared_from = (*_shared_from, parent)
     try:
         if copy:
             for addr, nbytes in keep:

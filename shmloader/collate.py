@@ -133,6 +133,10 @@ class SlotSession:
             return out
         return torch.empty(tuple(shape), dtype=dtype)
 
+    def slot_range(self) -> tuple[int, int] | None:
+        """The ``(address, bytes)`` of this session's slot; None without one."""
+        return None if self.bytes is None else (self.base, self.writer.capacity)
+
     def holds(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside this session's slot."""
         return (
@@ -157,6 +161,11 @@ class SlotSession:
     def __exit__(self, *exc: object) -> None:
         global _session
         _session = None
+
+
+def current_session() -> SlotSession | None:
+    """The session of the batch this process is writing now, if any (a worker inside a task)."""
+    return _session
 
 
 # torch.empty's keywords that a slot cannot honour: their defaults are accepted, anything else is

@@ -629,6 +629,90 @@ def test_a_process_a_worker_forks_keeps_the_batches_the_worker_shares() -> None:
     assert lines == ["0,1,2,3"]
 
 
+class StartsANestedLoader:
+    """A ``worker_init_fn`` that makes and runs, in the worker, a loader of its own whose worker
+    forks a process reading a batch of the main process's (:class:`ForksAReader`)."""
+
+    def __init__(self, pool: list[torch.Tensor], go: int, out: int) -> None:
+        self.pool, self.go, self.out = pool, go, out
+
+    def __call__(self, worker_id: int) -> None:
+        # A worker is a daemon, which may have no children: the known workaround, as in torch.
+        multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+        nested = shmloader.DataLoader(
+            Rows(), batch_size=4, num_workers=1, timeout=30,
+            worker_init_fn=ForksAReader(self.pool, self.go, self.out),
+        )  # fmt: skip
+        assert firsts(list(nested)) == ALL
+
+
+@frees_its_loaders_on_failure
+def test_a_process_a_nested_worker_forks_keeps_the_main_processs_batches() -> None:
+    """Review 30: a worker of a loader made inside a worker shares, uncopied, what its parent
+    shares from the main process too; a process it forked copied only its parent's lent
+    slots, and read the main process's reused slot once the outer worker had ended."""
+    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
+    it_a = iter(a)
+    pool = [next(it_a)]
+    pipes = ReaderPipes()
+    try:
+        b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=1, timeout=60,
+                                 worker_init_fn=StartsANestedLoader(pool, *pipes.ends))  # fmt: skip
+        assert firsts(list(b)) == ALL  # its worker (and the nested one) end with the epoch
+        pool.clear()
+        gc.collect()
+        assert a.stats().slots_kept == 0
+        assert firsts(list(it_a)) == ALL[1:]  # the arena reuses the slot
+        assert firsts(list(a)) == ALL
+        pipes.go(1)
+    finally:
+        pipes.close_ours()
+    assert pipes.lines() == ["0,1,2,3"]
+
+
+class ForkingCollate:
+    """A ``collate_fn`` that writes the batch into ``shmloader.empty()`` (the README's way to
+    collate into the slot) and, for its worker's first batch, forks a process that reads it
+    once the test says go (say, to write it out in the background): ``same``, or what changed."""
+
+    def __init__(self, go: int, out: int) -> None:
+        self.go, self.out = go, out
+        self.batches = 0
+
+    def __call__(self, samples: list[torch.Tensor]) -> torch.Tensor:
+        out = shmloader.empty((len(samples), *samples[0].shape), dtype=samples[0].dtype)
+        torch.stack(samples, out=out)
+        self.batches += 1
+        if self.batches == 1 and os.fork() == 0:
+            try:
+                wrote = out[:, 0].tolist()
+                if os.read(self.go, 1):
+                    now = out[:, 0].tolist()
+                    line = "same" if now == wrote else f"{wrote}->{now}".replace(" ", "")
+                    os.write(self.out, (line + "\n").encode())
+            finally:
+                os._exit(0)
+        return out
+
+
+@frees_its_loaders_on_failure
+def test_a_process_forked_in_a_collate_fn_keeps_the_batch_being_written() -> None:
+    """Review 30: the slot a worker writes into is lent by nobody yet, so a process forked
+    inside the collate_fn shared it uncopied, and read the next epoch's batch there (torch's
+    child keeps its batch: a shared-memory file never reused)."""
+    pipes = ReaderPipes()
+    try:
+        collate = ForkingCollate(*pipes.ends)
+        loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=1, timeout=30,
+                                      shuffle=True, collate_fn=collate)  # fmt: skip
+        for _ in range(3):  # each epoch's first slot is written again in the next epochs
+            assert sorted(int(v) for b in loader for v in b[:, 0]) == list(range(40))
+        pipes.go(3)
+    finally:
+        pipes.close_ours()
+    assert pipes.lines() == ["same"] * 3
+
+
 @frees_its_loaders_on_failure
 def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
     interrupt_once: Any,
