@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from arena import SlotWriter
+from arena._layout import page_align
 from shmloader import stacking
 from shmloader._torch_compat import (
     collate,
@@ -134,8 +135,10 @@ class SlotSession:
         return torch.empty(tuple(shape), dtype=dtype)
 
     def slot_range(self) -> tuple[int, int] | None:
-        """The ``(address, bytes)`` of this session's slot; None without one."""
-        return None if self.bytes is None else (self.base, self.writer.capacity)
+        """The ``(address, bytes)`` of the part of this session's slot handed out so far, in
+        whole pages (a slot starts on a page and spans whole pages); None when none is."""
+        used = self.writer.used
+        return None if self.bytes is None or not used else (self.base, page_align(used))
 
     def holds(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside this session's slot."""
