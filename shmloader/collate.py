@@ -267,7 +267,9 @@ def _collate_tensor_in_slot(
     ):
         return stacking.stack_large(batch, out)
     try:
-        return torch.stack(list(batch), 0, out=out)
+        # As torch passes it: a batch that is itself a Tensor (a dataset's __getitems__ may
+        # return one) raises torch's TypeError, not stacked row by row (review 32).
+        return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
     except TypeError:  # a non-tensor among the samples: raise exactly what torch raises, below
         pass  # (outside this block, so that torch's error does not carry ours as its context)
     except RuntimeError:

@@ -73,6 +73,12 @@ class ShmDataLoaderIter(NextBatch):
         if resumed:
             self._base_seed = plan["base_seed"]  # type: ignore[index]
         nw: int = self._num_workers
+        # torch's check, at its moment (review 32: 0 ran as 2); None set after the loader was
+        # made raises torch's TypeError here, as there
+        if loader.prefetch_factor <= 0:  # type: ignore[operator]
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
         self._plan = plan
         self._ended = False
         self._lock = threading.RLock()  # one thread at a time in the iterator (see invariants)

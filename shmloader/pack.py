@@ -22,11 +22,13 @@ Invariants:
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import torch
@@ -93,6 +95,8 @@ class Packed:
         buf = io.BytesIO()
         pickler = pickle.Pickler(buf, _PROTOCOL)
         pickler.persistent_id = self._persistent_id  # type: ignore[method-assign]
+        # (copyreg's table as it is now: a user's registrations apply, as with plain pickle)
+        pickler.dispatch_table = {**copyreg.dispatch_table, **_REDUCERS}
         pickler.dump(batch)
         return buf.getvalue()
 
@@ -237,6 +241,64 @@ class Packed:
             return _Leaf(t, code, shape, nbytes, None)
         s.bytes[off : off + nbytes].view(t.dtype).view(shape).copy_(t)
         return _Leaf(t, code, shape, nbytes, off)
+
+
+# Review 32: plain pickle of a CPU ``UntypedStorage`` (torch 2.13) goes through torch's legacy
+# ``torch.save``, whose load raises ``AttributeError`` (no ``dtype``), and so did every tensor
+# pickled with its storage (``bits8``: a dtype no slot holds). torch's workers send them with
+# their ForkingPickler (shared memory), so torch's loader delivers them; shmloader pickles the
+# storage's bytes instead, and delivers a private copy.
+
+
+def _untyped_storage(data: bytes) -> torch.UntypedStorage:
+    """A CPU ``UntypedStorage`` holding ``data``."""
+    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
+
+
+def _typed_storage(data: bytes, dtype: torch.dtype) -> Any:
+    """What torch's tensor rebuild functions take: a ``TypedStorage`` over ``data``."""
+    return torch.TypedStorage(  # type: ignore[no-untyped-call]
+        wrap_storage=_untyped_storage(data), dtype=dtype, _internal=True
+    )
+
+
+def _reduce_storage(storage: torch.UntypedStorage) -> Any:
+    if storage.device.type != "cpu":
+        return storage.__reduce__()  # type: ignore[no-untyped-call]
+    return _untyped_storage, (bytes(storage),)
+
+
+class _StorageOf(NamedTuple):
+    """Pickles as the ``TypedStorage`` a tensor rebuild takes, over a CPU storage's bytes."""
+
+    storage: torch.UntypedStorage
+    dtype: torch.dtype
+
+    def __reduce__(self) -> Any:
+        return _typed_storage, (bytes(self.storage), self.dtype)
+
+
+_REBUILDS: Final = (torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3)
+
+
+def _reduce_tensor(t: torch.Tensor) -> Any:
+    """A plain tensor no slot holds (``persistent_id`` declined it), as torch pickles it, with a
+    CPU storage pickled as its bytes."""
+    rv = t.__reduce_ex__(_PROTOCOL)  # type: ignore[no-untyped-call]
+    if (
+        isinstance(rv, tuple)
+        and rv[0] in _REBUILDS
+        and type(rv[1][0]) is torch.UntypedStorage
+        and rv[1][0].device.type == "cpu"
+    ):
+        return rv[0], (_StorageOf(rv[1][0], t.dtype), *rv[1][1:]), *rv[2:]
+    return rv
+
+
+_REDUCERS: Final[dict[type, Callable[[Any], Any]]] = {
+    torch.UntypedStorage: _reduce_storage,
+    torch.Tensor: _reduce_tensor,
+}
 
 
 def _atom(obj: Any) -> Any:

@@ -84,9 +84,10 @@ class WorkerDeath:
             except ValueError:
                 name = f"signal {-self.exitcode}"
             return f"DataLoader worker (pid {self.pid}) is killed by signal: {name}. "
-        return (
-            f"DataLoader worker (pid(s) {self.pid}) exited unexpectedly "
-            f"with exit code {self.exitcode}. "
+        return (  # torch's wording (its SIGCHLD handler's, which wins the race there)
+            f"DataLoader worker (pid {self.pid}) exited unexpectedly with exit code "
+            f"{self.exitcode}. Details are lost due to multiprocessing. Rerunning with "
+            "num_workers=0 may give better error trace. "
         )
 
 
