@@ -604,31 +604,6 @@ class ForksAReader:
                 os._exit(0)
 
 
-@frees_its_loaders_on_failure
-def test_a_process_a_worker_forks_keeps_the_batches_the_worker_shares() -> None:
-    """Review 28: a shmloader worker shares the slots lent when it started, uncopied; a process
-    it forked copied nothing (its parent lent nothing), and read a reused slot once the worker
-    had ended and the slot was let go. It copies what the worker shares."""
-    a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
-    it_a = iter(a)
-    pool = [next(it_a)]
-    pipes = ReaderPipes()
-    try:
-        b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30,
-                                 worker_init_fn=ForksAReader(pool, *pipes.ends))  # fmt: skip
-        assert firsts(list(b)) == ALL  # its workers end with the epoch
-        pool.clear()
-        gc.collect()
-        assert a.stats().slots_kept == 0
-        assert firsts(list(it_a)) == ALL[1:]  # the arena reuses the slot
-        assert firsts(list(a)) == ALL
-        pipes.go(1)
-    finally:
-        pipes.close_ours()
-    lines = pipes.lines()
-    assert lines == ["0,1,2,3"]
-
-
 class StartsANestedLoader:
     """A ``worker_init_fn`` that makes and runs, in the worker, a loader of its own whose worker
     forks a process reading a batch of the main process's (:class:`ForksAReader`)."""
@@ -646,19 +621,23 @@ class StartsANestedLoader:
         assert firsts(list(nested)) == ALL
 
 
+@pytest.mark.parametrize("forker", ["worker", "nested worker"])
 @frees_its_loaders_on_failure
-def test_a_process_a_nested_worker_forks_keeps_the_main_processs_batches() -> None:
-    """Review 30: a worker of a loader made inside a worker shares, uncopied, what its parent
-    shares from the main process too; a process it forked copied only its parent's lent
-    slots, and read the main process's reused slot once the outer worker had ended."""
+def test_a_process_a_worker_forks_keeps_the_batches_the_worker_shares(forker: str) -> None:
+    """Review 28: a shmloader worker shares the slots lent when it started, uncopied; a process
+    it forked copied nothing (its parent lent nothing), and read a reused slot once the worker
+    had ended and the slot was let go. It copies what the worker shares. Review 30: a worker of
+    a loader made inside a worker shares, uncopied, what its parent shares from the main
+    process too; a process it forked copied only its parent's lent slots."""
     a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     it_a = iter(a)
     pool = [next(it_a)]
     pipes = ReaderPipes()
+    init = ForksAReader if forker == "worker" else StartsANestedLoader
     try:
         b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=1, timeout=60,
-                                 worker_init_fn=StartsANestedLoader(pool, *pipes.ends))  # fmt: skip
-        assert firsts(list(b)) == ALL  # its worker (and the nested one) end with the epoch
+                                 worker_init_fn=init(pool, *pipes.ends))  # fmt: skip
+        assert firsts(list(b)) == ALL  # its workers (nested ones too) end with the epoch
         pool.clear()
         gc.collect()
         assert a.stats().slots_kept == 0
