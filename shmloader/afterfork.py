@@ -202,11 +202,20 @@ def _lent(*pids: int | None) -> list[tuple[int, int]]:
     return [(lease.lo, lease.hi - lease.lo) for t in tables for lease in t if lease() is not None]
 
 
+def _in_task() -> bool:
+    """Whether this is a shmloader worker inside a task with a slot (a fork here copies what
+    is written by then, :func:`_writing`; decided at the hook, since another thread may
+    allocate before the fork: review 33)."""
+    session = collate.current_session()
+    return session is not None and session.slot_range(whole=True) is not None
+
+
 def _writing() -> tuple[int, int] | None:
-    """In a shmloader worker, inside a task: the ``(address, bytes)`` of the slot it is writing
-    the batch into. A process forked there (in the dataset or the collate_fn) copies it: the
-    main process reuses the slot once that batch is gone (review 30: a child forked in a
-    collate_fn that filled ``shmloader.empty()`` read the next epoch's batch there)."""
+    """In a shmloader worker, inside a task: the ``(address, bytes)`` of the part of the slot
+    written so far (read in the child, as of the fork). A process forked there (in the dataset
+    or the collate_fn) copies it: the main process reuses the slot once that batch is gone
+    (review 30: a child forked in a collate_fn that filled ``shmloader.empty()`` read the next
+    epoch's batch there)."""
     session = collate.current_session()
     return None if session is None else session.slot_range()
 
@@ -237,7 +246,7 @@ def _before() -> None:
     # hook, if a loader of this process may lend before the fork (review 29).
     may_lend = any(owner == pid for _, owner in _entries(_tracked))
     _fork.copy = workers is None and (
-        may_lend or _writing() is not None or bool(_lent(pid, *_shared_from))
+        may_lend or _in_task() or bool(_lent(pid, *_shared_from))
     )
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
@@ -303,6 +312,10 @@ def _in_child() -> None:
     writing = _writing()
     if writing is not None:
         keep.append(writing)
+    # The parent's batch in progress is not this process's: shmloader.empty() here allocates
+    # privately, as outside a worker (review 33: it handed out the parent's slot, shared,
+    # whose pages the main process lends later).
+    collate.end_session_after_fork()
     if getattr(_fork, "worker", False):
         # A shmloader worker shares its parent's lent slots uncopied: a process it forks
         # copies them (review 28: a grandchild read a slot reused once the worker ended), and

@@ -134,11 +134,16 @@ class SlotSession:
             return out
         return torch.empty(tuple(shape), dtype=dtype)
 
-    def slot_range(self) -> tuple[int, int] | None:
+    def slot_range(self, whole: bool = False) -> tuple[int, int] | None:
         """The ``(address, bytes)`` of the part of this session's slot handed out so far, in
-        whole pages (a slot starts on a page and spans whole pages); None when none is."""
+        whole pages (a slot starts on a page and spans whole pages), or of all of it
+        (``whole``); None without a slot, or with none of it handed out."""
+        if self.bytes is None:
+            return None
+        if whole:
+            return (self.base, self.writer.capacity)
         used = self.writer.used
-        return None if self.bytes is None or not used else (self.base, page_align(used))
+        return (self.base, page_align(used)) if used else None
 
     def holds(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside this session's slot."""
@@ -169,6 +174,12 @@ class SlotSession:
 def current_session() -> SlotSession | None:
     """The session of the batch this process is writing now, if any (a worker inside a task)."""
     return _session
+
+
+def end_session_after_fork() -> None:
+    """In a child forked inside a task: no session (its slot is the parent's batch)."""
+    global _session
+    _session = None
 
 
 # torch.empty's keywords that a slot cannot honour: their defaults are accepted, anything else is

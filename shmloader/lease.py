@@ -282,6 +282,10 @@ class Leases:
             if kept.lifted:  # (a lend racing the keeper's lift)
                 return
             have = kept.get(id(self))
+            if have is not None and have[1].active and have[1] not in self.quarantines:
+                # An interruption came between recording it and keeping it (review 33): kept
+                # now, by the retry (afterfork._keep_until_forked) or the next fork.
+                self.quarantines.append(have[1])
             lends = self.lends
             if have is not None and have[1].active and have[2] == lends:
                 return  # every batch lent since its last walk is in it already

@@ -166,6 +166,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # A copy: the dataset may go on changing the dict it returned (the worker path
             # pickles it at once).
             entry["state"] = copy.deepcopy(self._dataset.state_dict())  # type: ignore[attr-defined]
-            if getattr(self._dataset_fetcher, "ended", False):  # ran out in the last batch
+            # It ran out: inside the last batch (torch's fetcher marks itself ended), or, with
+            # batch_size=None, at a fetch a DevicePrefetcher made ahead of you, which found the
+            # end (review 33) while the epoch is not over for you.
+            if self._ended or getattr(self._dataset_fetcher, "ended", False):
                 entry["ended"] = True
         return {"workers": [entry], "assign": [], "next_worker": 0}

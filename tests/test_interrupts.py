@@ -692,6 +692,49 @@ def test_a_process_forked_in_a_collate_fn_keeps_the_batch_being_written() -> Non
     assert pipes.lines() == ["same"] * 3
 
 
+class ForksAnAllocator:
+    """A ``collate_fn`` that, at its worker's first batch and before allocating anything, forks
+    a helper which, once the test says go, fills a tensor from ``shmloader.empty()`` with -7
+    (outside a worker: torch.empty) and says ``done``."""
+
+    def __init__(self, go: int, out: int) -> None:
+        self.go, self.out = go, out
+        self.batches = 0
+
+    def __call__(self, samples: list[torch.Tensor]) -> torch.Tensor:
+        self.batches += 1
+        if self.batches == 1 and os.fork() == 0:
+            try:
+                if os.read(self.go, 1):
+                    shmloader.empty((4, 64), dtype=torch.int64).fill_(-7)
+                    os.write(self.out, b"done\n")
+            finally:
+                os._exit(0)
+        out = shmloader.empty((len(samples), *samples[0].shape), dtype=samples[0].dtype)
+        return torch.stack(samples, out=out)
+
+
+@frees_its_loaders_on_failure
+def test_shmloader_empty_in_a_process_forked_in_a_task_allocates_privately() -> None:
+    """Review 33: a child forked inside a task kept the worker's slot session, so its
+    shmloader.empty() handed out the worker's slot, shared: it overwrote a held batch."""
+    pipes = ReaderPipes()
+    try:
+        loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=1, timeout=30,
+                                      collate_fn=ForksAnAllocator(*pipes.ends))  # fmt: skip
+        # Each epoch's worker forks at its first task: in the second, slots are free at once,
+        # so that task has one from the start.
+        held = [list(loader), list(loader)]
+        pipes.go(2)
+    finally:
+        pipes.close_ours()
+    assert pipes.lines() == ["done", "done"]
+    for epoch in held:
+        assert firsts(epoch) == ALL
+        assert all(torch.equal(b[:, 1:], b[:, :1].expand(-1, 63)) for b in epoch)
+    del held
+
+
 @frees_its_loaders_on_failure
 def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
     interrupt_once: Any,

@@ -579,6 +579,38 @@ def test_a_state_saved_at_an_epochs_last_batch_behind_a_prefetcher_is_mid_epoch(
     assert passes == [[], seen[per_epoch:]]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_rewinding_stream_saved_at_its_last_item_behind_a_prefetcher_resumes_past_it(
+    workers: int,
+) -> None:
+    """Review 33: with batch_size=None torch's fetcher never marks itself ended; the prefetcher,
+    a batch ahead, had met the stream's end, which rewound it, so the state (mid-epoch, with
+    the replica's state at a pass's start) resumed a whole pass again."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(RewindsAtPassEnd(), batch_size=None, num_workers=workers,
+                          timeout=TIMEOUT if workers else 0)  # fmt: skip
+
+    def prefetched(loader: DataLoader[Any]) -> DevicePrefetcher[Any]:
+        return DevicePrefetcher(loader, "cuda", depth=2, engine=CloningEngine())
+
+    seed_all(0)
+    loader = make()
+    seen: list[bytes] = []
+    state: dict[str, Any] | None = None
+    for _ in range(2):
+        for batch in prefetched(loader):
+            seen.append(batch_bytes(batch))
+            if len(seen) == 10:
+                state = roundtrip(loader.state_dict())
+    assert state is not None and (state["epoch"], state["in_epoch"]) == (0, True)
+    seed_all(12345)
+    resumed = make()
+    resumed.load_state_dict(state)
+    passes = [[batch_bytes(b) for b in prefetched(resumed)] for _ in range(2)]
+    assert passes == [[], seen[10:]]
+
+
 def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:
     """Review 19: one count per loader, which each prefetcher overwrote: a state for the second
     prefetcher's epoch skipped the batches the first one no longer held."""

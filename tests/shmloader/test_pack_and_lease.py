@@ -222,6 +222,37 @@ def test_a_quarantine_added_while_its_keeper_lifts_is_lifted_too(arena):
     assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE and leases.kept == 0
 
 
+class _InterruptedAfterRecording(KeptTables):
+    """A keeper whose first entry is recorded, then Ctrl-C lands (before the table keeps it)."""
+
+    armed = True
+
+    def __setitem__(self, key, value):  # type: ignore[no-untyped-def]
+        super().__setitem__(key, value)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_a_quarantine_interrupted_between_recording_and_keeping_is_kept_by_the_retry(arena):
+    # Review 33: the retry (afterfork retries a fork hook's take once) saw the entry recorded,
+    # active, with nothing lent since, and returned: the table never kept the slot, which went
+    # back to the arena while the workers shared it.
+    leases, desc, ref = _roundtrip(arena, [torch.arange(100)])
+    batch = leases.open(desc)
+    kept = _InterruptedAfterRecording()
+    with pytest.raises(KeyboardInterrupt):
+        leases.quarantine(kept)
+    leases.quarantine(kept)
+    ((_, q, _),) = kept.values()
+    assert q in leases.quarantines and q.refs == {ref}
+    del batch
+    assert leases.drain() == 0 and arena.state(ref) is SlotState.LENT and leases.kept == 1
+    kept.lifted = True
+    leases.lift(q)
+    assert leases.drain() == 1 and arena.state(ref) is SlotState.FREE
+
+
 def test_a_batch_with_many_atoms_is_not_cached_but_a_small_structure_is(arena):
     """Review 12: the worker's payload cache kept every structure's signature and payload, and a
     batch of token lists (one atom per token) never matches another: 256 of them held 437 MB
