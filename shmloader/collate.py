@@ -273,8 +273,11 @@ def _collate_tensor_in_slot(
     out = _session.empty((len(batch), *elem.shape), elem.dtype, plan=True)
     if out.is_meta:
         return out  # planning: the samples are stacked once a slot that fits is granted
-    if out.nbytes >= stacking.STREAM_MIN_BYTES and stacking.STREAMING and stacking.streamable(
-        batch, elem, out
+    if (
+        out.nbytes >= stacking.STREAM_MIN_BYTES
+        and stacking.STREAMING
+        and isinstance(batch, list | tuple)  # what torch.stack takes (else its TypeError below)
+        and stacking.streamable(batch, elem, out)
     ):
         return stacking.stack_large(batch, out)
     try:

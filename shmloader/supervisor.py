@@ -84,7 +84,9 @@ class WorkerDeath:
             except ValueError:
                 name = f"signal {-self.exitcode}"
             return f"DataLoader worker (pid {self.pid}) is killed by signal: {name}. "
-        return (  # torch's wording (its SIGCHLD handler's, which wins the race there)
+        if self.exitcode == 0:  # torch's SIGCHLD handler lets it pass: its data queue's wording
+            return f"DataLoader worker (pid(s) {self.pid}) exited unexpectedly. "
+        return (  # torch's wording (its SIGCHLD handler's, which usually wins the race there)
             f"DataLoader worker (pid {self.pid}) exited unexpectedly with exit code "
             f"{self.exitcode}. Details are lost due to multiprocessing. Rerunning with "
             "num_workers=0 may give better error trace. "
