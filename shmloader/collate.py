@@ -115,11 +115,15 @@ class SlotSession:
             with self._lock:  # a collate may call empty() from a thread pool
                 off = self.writer.alloc(nbytes)
         if off is not None:
+            # From a NumPy slice (several times cheaper than torch's), so that the tensor's
+            # storage is its own bytes, as torch.empty's is: a view of the whole slot's storage
+            # pickled whole when the collate returned it with requires_grad, or as a bits8
+            # view or a storage, and the slot grew with every batch (review 35).
+            raw = self.array[off : off + nbytes]  # type: ignore[index]
             npdtype = NUMPY_DTYPE.get(dtype)
-            if npdtype is not None:  # a NumPy slice is several times cheaper than torch's
-                raw = self.array[off : off + nbytes]  # type: ignore[index]
+            if npdtype is not None:
                 return torch.from_numpy(raw.view(npdtype).reshape(tuple(shape)))
-            return self.bytes[off : off + nbytes].view(dtype).view(tuple(shape))  # type: ignore[index]
+            return torch.from_numpy(raw).view(dtype).view(tuple(shape))
         if nbytes == 0 or dtype not in CODE_OF:
             return torch.empty(tuple(shape), dtype=dtype)
         self.overflowed = True

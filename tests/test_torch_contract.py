@@ -192,6 +192,26 @@ def test_storages_and_tensors_of_dtypes_no_slot_holds_arrive_as_torch_delivers_t
             assert g[2].storage_offset() == w[2].storage_offset() == 4
 
 
+def bf16_needing_grad(samples):
+    import shmloader
+
+    out = shmloader.empty(1024, dtype=torch.bfloat16).fill_(float(samples[0][0]))
+    return out.requires_grad_()
+
+
+def test_a_collated_tensor_pickled_with_its_storage_stays_the_size_torch_gives_it():
+    # Review 35: a tensor from shmloader.empty() of a dtype NumPy lacks viewed the whole slot;
+    # returned with requires_grad it was pickled with all of it, so each batch's slot was
+    # bigger than the last (the storage grew 4 KiB -> 768 KiB in 16 batches, then the OOM
+    # killer came with bigger ones). torch's storage is the tensor's own 2 KiB every batch.
+    sizes = []
+    for loader_class in (torch.utils.data.DataLoader, pd.candidate_loader_class()):
+        loader = loader_class(cd.SmallTensors(64), batch_size=4, num_workers=2, timeout=60,
+                              collate_fn=bf16_needing_grad)  # fmt: skip
+        sizes.append([(b.untyped_storage().nbytes(), float(b.detach()[0])) for b in loader])
+    assert sizes[1] == sizes[0] == [(2048, 4.0 * k) for k in range(16)]
+
+
 # -------------------------------------------------------------------------- prefetch_factor
 
 

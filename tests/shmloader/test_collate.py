@@ -30,6 +30,23 @@ def test_empty_inside_a_session_allocates_inside_the_slot(arena):
         assert torch.equal(again, torch.full((100,), 3.0))
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.complex32]
+)
+def test_empty_inside_a_session_has_a_storage_of_its_own_bytes_as_torch_empty(arena, dtype):
+    # Review 35: for a dtype NumPy lacks, empty() viewed the whole slot's storage; a collate
+    # returning it with requires_grad (or as a bits8 view, or its storage) pickled the whole
+    # slot into the payload, the next slot was bigger, and so on until the OOM killer came.
+    ref = arena.acquire(1 << 16)
+    with SlotSession(arena.slot_buffer(ref)) as s:
+        shmloader.empty(3, dtype=torch.uint8)  # not at the slot's start
+        t = shmloader.empty((4, 8), dtype=dtype)
+        assert s.holds(t.data_ptr(), t.nbytes)
+        want = torch.empty((4, 8), dtype=dtype).untyped_storage().nbytes()
+        assert t.untyped_storage().nbytes() == want == t.nbytes
+        assert t.untyped_storage().data_ptr() == t.data_ptr()
+
+
 def test_a_tensor_that_does_not_fit_goes_to_private_memory_and_marks_overflow(arena):
     ref = arena.acquire(4096)
     with SlotSession(arena.slot_buffer(ref)) as s:
