@@ -222,7 +222,8 @@ def empty(
     Call it from a custom ``collate_fn`` for the batch's output tensors (fill them in place, e.g.
     padding), and shmloader carries them to the main process without another copy. Outside a
     shmloader worker it is exactly ``torch.empty``. Memory is uninitialised, as with
-    ``torch.empty``: write every element you use.
+    ``torch.empty``: write every element you use. In a slot the tensor cannot grow
+    (``resize_`` past its size raises torch's error): allocate the size you need.
 
     Accepted as in ``torch.empty``: the size as ints or one sequence (or ``size=``), ``dtype=``,
     ``device=`` (CPU only: a slot is host memory). ``out``, ``layout``, ``memory_format``,
