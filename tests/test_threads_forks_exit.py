@@ -113,11 +113,11 @@ print("loop done", flush=True)
 """
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("reader", ["atexit", "module-global-del"])
-def test_a_held_batch_is_readable_during_interpreter_exit(reader: str) -> None:
+def _run_script(script: str, *args: str) -> str:
+    """``script`` run by a fresh interpreter in the repository (60 s at most): its output,
+    once it exited with 0."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_EXIT_SCRIPT), reader],
+        [sys.executable, "-c", textwrap.dedent(script), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -125,7 +125,14 @@ def test_a_held_batch_is_readable_during_interpreter_exit(reader: str) -> None:
         check=False,
     )
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
-    assert done.stdout.splitlines() == ["loop done", f"sum at exit {16 * 1000}"], done.stdout
+    return done.stdout
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("reader", ["atexit", "module-global-del"])
+def test_a_held_batch_is_readable_during_interpreter_exit(reader: str) -> None:
+    out = _run_script(_EXIT_SCRIPT, reader)
+    assert out.splitlines() == ["loop done", f"sum at exit {16 * 1000}"], out
 
 
 # ------------------------------------------------------------------- fork from another thread
@@ -766,15 +773,8 @@ def test_the_copy_fence_with_a_stats_thread_and_completing_events_loses_no_slot(
 
 
 def test_importing_shmloader_imports_numpy_random() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys, shmloader; print('numpy.random' in sys.modules)"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]
+    out = _run_script("import sys, shmloader; print('numpy.random' in sys.modules)")
+    assert out.strip() == "True"
 
 
 class FreezeCounts(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -955,13 +955,5 @@ def test_a_process_forked_in_a_task_copies_what_is_allocated_after_the_fork_hook
     # Review 33: the hook decided the copy from the part of the slot in use, none yet; another
     # hook (or thread) allocated and filled before the fork, and the child shared that part
     # uncopied: it read a later batch there (12.0, not 508.0).
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_ALLOCATES_AFTER_THE_HOOK)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
-    assert done.stdout.split() == ["508.0"], done.stdout
+    out = _run_script(_ALLOCATES_AFTER_THE_HOOK)
+    assert out.split() == ["508.0"], out
