@@ -207,7 +207,7 @@ def _in_task() -> bool:
     is written by then, :func:`_writing`; decided at the hook, since another thread may
     allocate before the fork: review 33)."""
     session = collate.current_session()
-    return session is not None and session.slot_range(whole=True) is not None
+    return session is not None and session.slot is not None
 
 
 def _writing() -> tuple[int, int] | None:

@@ -138,16 +138,12 @@ class SlotSession:
             return out
         return torch.empty(tuple(shape), dtype=dtype)
 
-    def slot_range(self, whole: bool = False) -> tuple[int, int] | None:
+    def slot_range(self) -> tuple[int, int] | None:
         """The ``(address, bytes)`` of the part of this session's slot handed out so far, in
-        whole pages (a slot starts on a page and spans whole pages), or of all of it
-        (``whole``); None without a slot, or with none of it handed out."""
-        if self.bytes is None:
-            return None
-        if whole:
-            return (self.base, self.writer.capacity)
+        whole pages (a slot starts on a page and spans whole pages); None without a slot, or
+        with none of it handed out."""
         used = self.writer.used
-        return (self.base, page_align(used)) if used else None
+        return (self.base, page_align(used)) if self.slot is not None and used else None
 
     def holds(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside this session's slot."""

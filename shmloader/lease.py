@@ -57,10 +57,18 @@ from shmloader.rebuild import Rebuilder
 FORKS_PENDING: list[KeptTables] = []
 
 
+class Kept(NamedTuple):
+    """A keeper's quarantine of one lease table, and the table's :attr:`Leases.lends` when the
+    quarantine last took every batch lent (:meth:`Leases.quarantine`)."""
+
+    table: Leases
+    quarantine: Quarantine
+    lends: int
+
+
 class KeptTables(dict):  # type: ignore[type-arg]
-    """A keeper's quarantines, by ``id`` of their lease table: ``(table, quarantine, lends)``,
-    ``lends`` the table's :attr:`Leases.lends` when the quarantine last took every batch lent
-    (:meth:`Leases.quarantine`); ``lifted`` once let go, after which it takes no more."""
+    """A keeper's :class:`Kept` entries, by ``id`` of their lease table; ``lifted`` once let
+    go, after which it takes no more."""
 
     lifted = False
 
@@ -282,20 +290,21 @@ class Leases:
             if kept.lifted:  # (a lend racing the keeper's lift)
                 return
             have = kept.get(id(self))
-            if have is not None and have[1].active and have[1] not in self.quarantines:
+            mine = have.quarantine if have is not None and have.quarantine.active else None
+            if mine is not None and mine not in self.quarantines:
                 # An interruption came between recording it and keeping it (review 33): kept
                 # now, by the retry (afterfork._keep_until_forked) or the next fork.
-                self.quarantines.append(have[1])
+                self.quarantines.append(mine)
             lends = self.lends
-            if have is not None and have[1].active and have[2] == lends:
+            if mine is not None and have is not None and have.lends == lends:
                 return  # every batch lent since its last walk is in it already
             refs = [lease.slot for lease in list(self._live.values()) if lease() is not None]
-            if have is not None and have[1].active:
-                have[1].refs.update(refs)
-                kept[id(self)] = (self, have[1], lends)
+            if mine is not None:
+                mine.refs.update(refs)
+                kept[id(self)] = Kept(self, mine, lends)
             elif refs:
                 q = Quarantine(refs)
-                kept[id(self)] = (self, q, lends)
+                kept[id(self)] = Kept(self, q, lends)
                 self.quarantines.append(q)
                 if kept.lifted:
                     # The keeper lifted meanwhile (another thread), from a snapshot of ``kept``
