@@ -39,12 +39,15 @@ from ._procmem import Member, ProcessTree, ProcSample, ShmUsage
 MIB = 1024 * 1024
 SAMPLE_COLUMNS = tuple(f.name for f in fields(ProcSample))
 SHM_COLUMNS = ("t", "used_bytes", "entries", "memfd_bytes")
+# arena.csv's first columns; every other field of the rows (LoaderStats.as_row) follows them.
 ARENA_COLUMNS = (
     "t", "backend", "bytes_reserved", "bytes_in_use", "high_water_bytes", "max_bytes",
     "growth_events", "slabs", "slot_sizes", "slots_total", "slots_free", "slots_writing",
     "slots_ready", "slots_lent", "bytes_free", "bytes_writing", "bytes_ready", "bytes_lent",
     "batches_held", "pinned_bytes",
 )
+# Bytes a loader holds beside its arena's reserved count, whose peaks the summary reports.
+OUTSIDE_ARENA = ("bytes_spilled", "bytes_rng_rings", "bytes_retired", "bytes_kept")
 
 
 @dataclass
@@ -178,6 +181,8 @@ class Recording:
             "slot_sizes": last.get("slot_sizes", ""),
             "growth_events": peak("growth_events"),
             "peak_batches_held": peak("batches_held"),
+            "peak_pinned_bytes": peak("pinned_bytes"),
+            **{f"peak_{key}": peak(key) for key in OUTSIDE_ARENA},
             "samples": len(self.arena),
         }
 
@@ -199,7 +204,10 @@ class Recording:
             w.writerow(SHM_COLUMNS)
             w.writerows(self.shm)
         with open(out / "arena.csv", "w", newline="") as f:
-            dw = csv.DictWriter(f, ARENA_COLUMNS, restval="", extrasaction="ignore")
+            columns = list(ARENA_COLUMNS)  # and every other field the rows carry (review 37)
+            seen = dict.fromkeys(k for r in self.arena for k in r)
+            columns += [k for k in seen if k not in columns]
+            dw = csv.DictWriter(f, columns, restval="")
             dw.writeheader()
             dw.writerows(self.arena)
         summary = self.summary()
@@ -238,6 +246,11 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"{arena['slot_sizes']} B, growth events: {arena['growth_events']}), "
                      f"{mib(arena['peak_bytes_in_use'])} MiB in use at most, "
                      f"{arena['peak_batches_held']} batches held at most")
+        lines.append(f"   beside the arena, at most: {mib(arena['peak_bytes_spilled'])} MiB of "
+                     f"spilled batches, {mib(arena['peak_bytes_rng_rings'])} MiB of RNG rings, "
+                     f"{mib(arena['peak_bytes_retired'])} MiB held in retired arenas; "
+                     f"{mib(arena['peak_bytes_kept'])} MiB kept for forked workers, "
+                     f"{mib(arena['peak_pinned_bytes'])} MiB page-locked")
     header = ("pid", "role", "name", "first PSS", "peak PSS", "first USS", "peak USS",
               "peak RSS", "peak shmem", "seen (s)")
     rows = [header]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import shmloader
 from tools import _plot, memprof
 from tools._memlive import LiveView, frame
 from tools._memrecord import Recording
@@ -64,11 +65,17 @@ def test_built_in_shmloader_job_writes_samples_shm_arena_and_summary(tmp_path):
     arena = [r for r in _rows(tmp_path / "arena.csv") if r["backend"] not in ("", "none")]
     assert arena, "no arena rows from loader.stats()"
     assert all(int(r["slots_total"]) > 0 and int(r["bytes_reserved"]) > 0 for r in arena)
+    # Review 37 F4: the CSV kept a fixed list of columns and dropped every newer stats() field.
+    with open(tmp_path / "arena.csv") as f:
+        header = set(next(csv.reader(f)))
+    fields = shmloader.DataLoader(range(4), num_workers=2).stats().as_row()
+    assert set(fields) <= header, sorted(set(fields) - header)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["job"]["batches"] == 50
     assert summary["peak_total_pss"] >= max(p["peak_pss"] for p in summary["processes"]) > 0
     assert summary["arena"]["peak_bytes_reserved"] > 0
     assert "peak total PSS of the tree" in done.stdout
+    assert "MiB of spilled batches" in done.stdout and "MiB of RNG rings" in done.stdout
     assert "slots free=" in done.stdout  # --live, stdout not a TTY: plain status lines
 
 
