@@ -352,13 +352,15 @@ class Arena:
         self._reserved += size * nslots
         self._growth_events += 1
 
-    def give_back_idle(self) -> list[int]:
+    def give_back_idle(self, before_close: Callable[[int], None] | None = None) -> list[int]:
         """Close every slab whose slots are all FREE, making room under the cap for another
         size class. Returns their ids (other processes should unmap them). Refs to their slots
         become stale: releasing one is a no-op. Each slab's memory goes back before it closes
         (unless it may not be hollowed): a mapping something still keeps -- a view of a batch
         released early, a process forked meanwhile -- keeps address space, not the bytes the
-        arena no longer counts."""
+        arena no longer counts. ``before_close(slab_id)`` runs for each while its memory is
+        still mapped here (the owner unlocks a page-locked slab there; review 37: it was
+        unlocked after the unmap)."""
         with self._cond:
             idle = [
                 sid
@@ -366,10 +368,14 @@ class Arena:
                 if all(state is SlotState.FREE for state in states)
             ]
             gone = [(self._forget_slab(sid), self.can_hollow(sid)) for sid in idle]
-        for slab, hollow in gone:
-            if hollow:
-                slab.segment.punch(0, slab.size)
-            slab.close()
+        for sid, (slab, hollow) in zip(idle, gone, strict=True):
+            try:
+                if before_close is not None:
+                    before_close(sid)
+            finally:
+                if hollow:
+                    slab.segment.punch(0, slab.size)
+                slab.close()
         return idle
 
     def _forget_slab(self, slab_id: int) -> Slab:

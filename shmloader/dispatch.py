@@ -154,6 +154,9 @@ class Dispatch:
         # (seq, since, warned): the batch needed next waits at the cap for later batches being
         # written, to copy them out of their slots once they are finished.
         self.cap_wait: tuple[int, float, bool] | None = None
+        # Batches a consumer keeps at once: a DevicePrefetcher's depth + 2 (the iterator's
+        # rewindable()); the cap's error counts them among the user's.
+        self.consumer_holds = 1
         host.dispatches.add(self)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -569,7 +572,7 @@ class Dispatch:
     def _make_room(self) -> None:
         """At the cap: give back idle slabs, and hollow free slots beside held ones (neither
         then counts against the cap)."""
-        for slab_id in self.arena.give_back_idle():
+        for slab_id in self.arena.give_back_idle(before_close=self.host.pinner.unregister):
             self._forget_slab(slab_id)
         self.arena.hollow()
 
@@ -652,9 +655,9 @@ class Dispatch:
             self.sup.send(info.worker_id, P.Revoke(info.seq, self.epoch))
 
     def _forget_slab(self, slab_id: int) -> None:
-        """The arena gave slab ``slab_id`` back: every live iterator's workers unmap it (each
-        iterator that used it told its own workers to attach it)."""
-        self.host.pinner.unregister(slab_id)
+        """The arena gave slab ``slab_id`` back (and the pinner unlocked it before its memory
+        went): every live iterator's workers unmap it (each iterator that used it told its own
+        workers to attach it)."""
         self.host.leases.forget_slab(slab_id)
         for d in self.host.dispatches.snapshot():
             if not d.lock.acquire(blocking=False):  # (this iterator's own: re-entered at once)
@@ -713,15 +716,22 @@ class Dispatch:
         mine = [i for i in [*self.tasks, *self.arrived] if i.ref is not None]
         ready = sum(1 for i in mine if type(i.answer) is P.Ready)
         writing = len(mine) - ready + sum(len(o.slots) for o in self.orphans.values())
+        prefetcher = (
+            f" (up to {self.consumer_holds} of them held by a DevicePrefetcher: its depth + 2)"
+            if self.consumer_holds > 1
+            else ""
+        )
         return ArenaExhaustedError(
             f"no arena slot is free for the next batch: the user holds {len(held)} batches "
-            f"({held_bytes:,} bytes){self._kept()}, "
+            f"({held_bytes:,} bytes){prefetcher}{self._kept()}, "
             f"{ready} finished batches wait to be yielded and {writing} are being "
             f"written{elsewhere}, and the arena is at its "
             f"cap of {st.max_bytes:,} bytes ({st.slots_total} slots){stuck}; "
             f"{st.bytes_reserved:,} bytes are reserved and the next batch needs {nbytes:,}. "
             "Drop references to old batches, copy what you keep with .clone(), release them "
-            "early with shmloader.release(batch, loader), or raise arena_max_bytes."
+            "early with shmloader.release(batch, loader), "
+            + ("lower the DevicePrefetcher's depth, " if prefetcher else "")
+            + "or raise arena_max_bytes."
         )
 
     def _kept(self) -> str:

@@ -222,8 +222,9 @@ class ShmDataLoaderIter(NextBatch):
     def rewindable(self, batches: int) -> None:
         """Keep what the last consumed batches changed (at least ``batches``), so that
         ``state_dict()`` can be taken as of before them (a ``DevicePrefetcher`` holds up to
-        that many ahead); from now on, every epoch."""
-        self._rewind_keep = keep = max(64, 2 * batches)
+        that many ahead); from now on, every epoch. Never less than asked before."""
+        self._rewind_keep = keep = max(self._rewind_keep, 64, 2 * batches)
+        self._dispatch.consumer_holds = max(self._dispatch.consumer_holds, batches)
         self._progress.undo = deque(self._progress.undo or (), maxlen=keep)
         self._at.log = deque(self._at.log or (), maxlen=keep)
         self._rngs_before = deque(self._rngs_before or (), maxlen=keep)

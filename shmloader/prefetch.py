@@ -16,7 +16,9 @@ Invariants:
   shmloader ``DataLoader`` is told so (``_consumer_will_hold``) and gives its new slabs a slot
   for each, so its workers do not wait for slots held here; its iterator is also told, at each
   hand-over, how many of its batches are held here unseen (``_batches_ahead``), which the
-  loader's ``state_dict()`` counts as not consumed.
+  loader's ``state_dict()`` counts as not consumed. The same holds when the prefetcher is given
+  the loader's iterator, a wrapper whose ``iter()`` returns it, or another prefetcher (whose
+  iterator adds this one's count to its own); not through a generator, which hides the iterator.
 - An error the loader raises, or the copy engine raises for a batch, reaches the user at that
   batch's turn, in its place, after the batches before it, and iteration may go on past it, as
   with the loader (the iteration is an iterator object, not a generator that an exception would
@@ -93,8 +95,8 @@ def map_tensors(batch: Any, fn: Any) -> Any:
             return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
         return type(batch)(*(map_tensors(v, fn) for v in batch))
-    if isinstance(batch, tuple):
-        return tuple(map_tensors(v, fn) for v in batch)
+    if isinstance(batch, tuple):  # a subclass keeps its kind (torch.return_types.max ...)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     if isinstance(batch, Sequence):
         values = [map_tensors(v, fn) for v in batch]
         try:
@@ -168,6 +170,13 @@ class DevicePrefetcher:
             return iter(self.loader)
         return _Prefetching(self, self._engine or CudaCopyEngine(self.device))
 
+    def _consumer_will_hold(self, batches: int) -> None:
+        """Another prefetcher over this one keeps up to ``batches`` of its batches: a shmloader
+        loader behind it is told of those and of the ``depth + 2`` held here."""
+        will_hold = getattr(self.loader, "_consumer_will_hold", None)
+        if will_hold is not None:
+            will_hold(batches if self._passthrough else batches + self.depth + 2)
+
 
 _NONE = object()  # no batch taken ahead
 
@@ -193,6 +202,9 @@ class _Prefetching:
         self.retiring: deque[tuple[Any, Event, bool]] = deque()
         self.ahead: Any = _NONE  # taken from the loader, not copied yet
         self.ended = False
+        self.end_raised = False  # StopIteration raised to this pass's consumer
+        # What a prefetcher over this one holds unseen (_batches_ahead), counted with ours.
+        self.outer: tuple[int, bool] = (0, False)
         loader = owner.loader
         will_hold = getattr(loader, "_consumer_will_hold", None)
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
@@ -201,6 +213,13 @@ class _Prefetching:
         self.engine = engine
         self.done: Callable[[Any], None] | None = getattr(loader, "_copies_done", None)
         self.source = iter(loader)
+        # Also over a shmloader iterator the loader did not size (the prefetcher was given
+        # iter(loader), or a wrapper whose iter() returns it; review 37), its state_dict()
+        # rewinds what is held here. (Such a loader's slabs keep their slot count: the arena
+        # adds a slab if the workers need one.)
+        rewindable = getattr(self.source, "rewindable", None)
+        if rewindable is not None:
+            rewindable(owner.depth + 2)
         # A shmloader iterator counts what is held here unseen, for its loader's state_dict()
         # (per iterator: two prefetchers over one loader keep their own counts).
         self.tell_ahead: Callable[[int, bool], None] | None = getattr(
@@ -246,10 +265,25 @@ class _Prefetching:
 
     def _tell(self, end_seen: bool = False) -> None:
         """Tell a shmloader iterator how many of its batches are held here unseen, and whether
-        the epoch's end, found here, is still unseen by the user (not once it was raised)."""
+        the epoch's end, found here, is still unseen by the user (not once it was raised);
+        a prefetcher over this one adds its own (:meth:`_batches_ahead`)."""
+        self.end_raised = self.end_raised or end_seen
         if self.tell_ahead is not None:
-            held = len(self.queue) + (self.ahead is not _NONE)
-            self.tell_ahead(held, self.ended and not end_seen)
+            held = len(self.queue) + (self.ahead is not _NONE) + self.outer[0]
+            self.tell_ahead(held, (self.ended and not self.end_raised) or self.outer[1])
+
+    def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
+        """A prefetcher over this one holds ``batches`` of this pass's, unseen by the user (and
+        maybe the end): the shmloader iterator behind is told of them with those held here."""
+        self.outer = (batches, end_unseen)
+        self._tell()
+
+    def rewindable(self, batches: int) -> None:
+        """A prefetcher over this one holds up to ``batches`` ahead: the shmloader iterator
+        behind keeps enough to rewind those and the ``depth + 2`` held here."""
+        rewindable = getattr(self.source, "rewindable", None)
+        if rewindable is not None:
+            rewindable(batches + self.depth + 2)
 
     def _hand_over(self, host: Any, device_batch: Any, event: Event) -> Any:
         try:

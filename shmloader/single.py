@@ -148,8 +148,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         }
 
     def rewindable(self, batches: int) -> None:
-        """Keep the global RNGs before each fetch (at least the last ``batches``)."""
-        self._rngs_before = deque(self._rngs_before or (), maxlen=max(64, 2 * batches))
+        """Keep the global RNGs before each fetch (at least the last ``batches``; never fewer
+        than asked before)."""
+        before = self._rngs_before
+        asked = 0 if before is None else before.maxlen or 0
+        self._rngs_before = deque(before or (), maxlen=max(asked, 64, 2 * batches))
 
     def _replicas(self, behind: int) -> dict[str, Any] | None:
         if self._dataset_kind != ITERABLE_KIND:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -514,7 +514,23 @@ def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
     Review 19: a stream with no workers resumed one batch short there (the fetch that found the
     stream's end was counted), and a sampler drawing from the global RNG as it goes skipped the
     draws of the batches behind (the state's RNGs were those after them)."""
-    make = PREFETCHED[case]
+    for save_after, rest, got in _saved_in_the_loop_and_resumed(
+        PREFETCHED[case], lambda loader: DevicePrefetcher(loader, "cuda", depth=depth,
+                                                          engine=CloningEngine())
+    ):  # fmt: skip
+        if case == "in_order=False":  # which batch comes when, and from which worker's random
+            # stream, is timing's (README): each batch of sample indices comes once
+            assert sorted(map(_indices, got)) == sorted(map(_indices, rest))
+        else:
+            assert got == rest, f"saved after {save_after}"
+
+
+def _saved_in_the_loop_and_resumed(
+    make: Callable[[], DataLoader[Any]], prefetch: Callable[[DataLoader[Any]], Iterable[Any]]
+) -> Iterator[tuple[int, list[bytes], list[bytes]]]:
+    """Three epochs of ``prefetch(make())``, the loader's state saved in the loop after the
+    user's k-th batch (in epoch 1 at its 3rd batch, and at its last but one); for each k, the
+    batches seen after the save and those a resumed loader yields."""
     per_epoch = N // 2
     for save_after in (per_epoch + 3, 2 * per_epoch - 1):
         seed_all(0)
@@ -522,7 +538,7 @@ def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
         seen: list[bytes] = []
         state: dict[str, Any] | None = None
         for _ in range(3):
-            for batch in DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()):
+            for batch in prefetch(loader):
                 seen.append(batch_bytes(batch))
                 if len(seen) == save_after:
                     state = roundtrip(loader.state_dict())
@@ -530,16 +546,47 @@ def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
         seed_all(12345)
         resumed = make()
         resumed.load_state_dict(state)
-        got = [
-            batch_bytes(b)
-            for _ in range(state["epoch"], 3)
-            for b in DevicePrefetcher(resumed, "cuda", depth=depth, engine=CloningEngine())
-        ]
-        if case == "in_order=False":  # which batch comes when, and from which worker's random
-            # stream, is timing's (README): each batch of sample indices comes once
-            assert sorted(map(_indices, got)) == sorted(map(_indices, seen[save_after:]))
-        else:
-            assert got == seen[save_after:], f"saved after {save_after}"
+        got = [batch_bytes(b) for _ in range(state["epoch"], 3) for b in prefetch(resumed)]
+        yield save_after, seen[save_after:], got
+
+
+class _Wrapper:
+    """A framework's thin wrapper of a loader: its ``iter()`` is the loader's."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+
+def _fake(source: Any, depth: int = 2) -> DevicePrefetcher[Any]:
+    return DevicePrefetcher(source, "cuda", depth=depth, engine=CloningEngine())
+
+
+WRAPPED: dict[str, Callable[[DataLoader[Any]], Iterable[Any]]] = {
+    "iter(loader)": lambda loader: _fake(iter(loader)),
+    "a wrapper": lambda loader: _fake(_Wrapper(loader)),
+    "a prefetcher": lambda loader: _fake(_fake(loader, depth=1)),
+    "a prefetcher over a wrapper": lambda loader: _fake(_fake(_Wrapper(loader), depth=1)),
+    "a cpu prefetcher": lambda loader: _fake(DevicePrefetcher(loader, "cpu")),
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPED))
+@pytest.mark.parametrize("case", ["0 workers", "2 workers"])
+def test_a_prefetcher_over_an_iterator_a_wrapper_or_a_prefetcher_resumes_at_the_users_batch(
+    case: str, wrap: str
+) -> None:
+    """Review 37: a prefetcher given ``iter(loader)`` or a wrapper whose ``iter()`` is the
+    loader's told the iterator how many batches it held but never made it rewindable, so
+    ``state_dict()`` raised ("only 0 are recorded"); one over another prefetcher hid its own
+    batches from the loader, whose state then resumed past them."""
+    for save_after, rest, got in _saved_in_the_loop_and_resumed(PREFETCHED[case], WRAPPED[wrap]):
+        assert got == rest, f"saved after {save_after}"
 
 
 def _indices(key: bytes) -> list[float]:

@@ -552,6 +552,24 @@ def test_a_slab_that_may_not_be_hollowed_is_given_back_whole():
         arena.close()
 
 
+def test_a_slab_given_back_is_handed_to_before_close_while_still_open():
+    """Review 37 F5: the owner unlocked a page-locked slab after the arena had unmapped it
+    (cudaHostUnregister on memory no longer there); ``before_close`` runs first."""
+    arena = Arena(backend="memfd", max_bytes=8 * PAGE, slots_per_slab=4)
+    arena.can_hollow = lambda slab_id: False  # page-locked, say
+    refs = [acquire(arena, PAGE) for _ in range(4)]
+    slab = arena.slab(refs[0].slab_id)
+    seen: list[tuple[int, bool]] = []
+    try:
+        for ref in refs:
+            arena.release(ref)
+        gone = arena.give_back_idle(lambda sid: seen.append((sid, slab.segment.closed)))
+        assert gone == [refs[0].slab_id] and seen == [(refs[0].slab_id, False)]
+        assert slab.segment.closed
+    finally:
+        arena.close()
+
+
 def test_a_closed_arena_keeps_only_the_memory_of_slots_still_viewed():
     arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
     refs = [acquire(arena, PAGE) for _ in range(4)]

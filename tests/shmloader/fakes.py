@@ -102,12 +102,15 @@ class Counting(IterableDataset):
 
 
 class FakeRegistrar:
-    """Records cudaHostRegister / cudaHostUnregister calls; can be told to fail."""
+    """Records cudaHostRegister / cudaHostUnregister calls, and the unregistrations of memory no
+    longer mapped as an arena segment (``unmapped``: CUDA unlocks what the process maps, so
+    the slab must still be there); can be told to fail."""
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
+        self.unmapped: list[int] = []
 
     def register(self, ptr: int, nbytes: int) -> None:
         if self.fail:
@@ -116,6 +119,19 @@ class FakeRegistrar:
 
     def unregister(self, ptr: int) -> None:
         self.unregistered.append(ptr)
+        if not _segment_mapped_at(ptr):
+            self.unmapped.append(ptr)
+
+
+def _segment_mapped_at(ptr: int) -> bool:
+    """Whether this process maps an arena segment (a /dev/shm file or a memfd) at ``ptr``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return len(fields) == 6 and ("/dev/shm/" in fields[5] or "memfd:" in fields[5])
+    return False
 
 
 class FakeEvents:
@@ -164,13 +180,17 @@ class FakeEvent:
         return True
 
 
-def fenced_loader(monkeypatch: Any, events: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """A loader (and its host) whose arena behaves as page-locked: slabs go through a fake
-    registrar, batches are passed through as torch would pass views of registered memory, and
-    copies are ``events``' fake events. Its ``timeout`` defaults to 10 s."""
+def fenced_loader(
+    monkeypatch: Any, events: Any, dataset: Any = None, **kwargs: Any
+) -> tuple[Any, Any]:
+    """A loader (and its host) of ``dataset`` (default ``Squares(64)``) whose arena behaves as
+    page-locked: slabs go through a fake registrar, batches are passed through as torch would
+    pass views of registered memory, and copies are ``events``' fake events. Its ``timeout``
+    defaults to 10 s."""
     monkeypatch.setattr("shmloader.pin.pin_memory", lambda batch, device: batch)
     kwargs.setdefault("timeout", 10)
-    loader = shmloader.DataLoader(Squares(64), batch_size=4, num_workers=2, **kwargs)
+    dataset = Squares(64) if dataset is None else dataset
+    loader = shmloader.DataLoader(dataset, batch_size=4, num_workers=2, **kwargs)
     host = ArenaHost(
         backend="auto",
         max_bytes=kwargs.get("arena_max_bytes"),

@@ -139,3 +139,37 @@ def test_release_reaches_a_batch_of_an_iterator_started_before_a_pin_change(acce
     assert shmloader.release(next(old), loader) == 1  # from the superseded arena
     assert shmloader.release(next(new), loader) == 1
     del old, new
+
+
+class Growing(torch.utils.data.Dataset):
+    """Batches (of 4) whose size rises past the cap's room, so that the arena gives idle slabs
+    of the smaller sizes back to grow the larger."""
+
+    KIB = (4, 8, 16, 32, 64, 128, 256)
+
+    def __len__(self):
+        return 4 * len(self.KIB)
+
+    def __getitem__(self, i):
+        return torch.full((self.KIB[i // 4] * 256,), i, dtype=torch.int32)
+
+
+def test_a_slab_the_arena_gives_back_is_unlocked_while_still_mapped(monkeypatch):
+    """Review 37 F5: a page-locked slab given back at the cap was unmapped, then unregistered
+    (cudaHostUnregister of memory no longer there)."""
+    from .fakes import FakeEvents, fenced_loader
+
+    events = FakeEvents()
+    loader, host = fenced_loader(monkeypatch, events, Growing(), arena_max_bytes=4 << 20)
+    registrar = host.pinner._registrar
+    try:
+        for i, batch in enumerate(loader):
+            assert batch[:, 0].tolist() == list(range(4 * i, 4 * i + 4))
+            del batch
+            events.complete_all()
+        assert registrar.unregistered  # slabs were given back
+        assert registrar.unmapped == []
+    finally:
+        del loader
+        host.close()
+    assert registrar.unmapped == []

@@ -262,6 +262,20 @@ def test_mappings_and_sequences_keep_their_kind_and_are_copied():
     assert torch.equal(u["x"], torch.zeros(2))  # the host batch is left as it was
 
 
+class Pair(tuple):  # a plain tuple subclass, as a user's batch type
+    pass
+
+
+def test_tuple_subclasses_keep_their_kind_as_torchs_pin_memory_keeps_them():
+    """Review 37 F2: a tuple subclass (torch.return_types.max, a user's) came out a plain tuple,
+    so ``batch.values`` broke behind the prefetcher only; torch's ``pin_memory`` rebuilds it
+    with ``type(data)(...)``."""
+    top = torch.tensor([[1.0, 3.0], [4.0, 2.0]]).max(dim=1)
+    out = map_tensors([top, Pair((torch.zeros(1),))], lambda t: t + 1)
+    assert type(out[0]) is type(top) and torch.equal(out[0].values, top.values + 1)
+    assert type(out[1]) is Pair and torch.equal(out[1][0], torch.ones(1))
+
+
 def test_host_batches_held_for_slow_copies_stay_bounded():
     """Review 17 F9: copies that had not completed kept every host batch alive (15 at a 16 MiB
     cap with 1 MiB batches, and the cap error blamed the user); now at most the one handed out
@@ -323,3 +337,19 @@ def test_a_prefetcher_whose_loader_fails_to_start_leaves_nothing_on_stderr(monke
         iter(DevicePrefetcher(loader, "cpu", engine=Done()))
     gc.collect()
     assert unraisable == []
+
+
+def test_at_the_cap_the_error_names_the_batches_a_prefetcher_holds():
+    """Review 37 F3: with a cap of 4 slots under a prefetcher of depth 3 (5 batches held), the
+    error blamed the user for the prefetcher's batches and offered fixes that do not apply."""
+    from arena.errors import ArenaExhaustedError
+
+    loader = shmloader.DataLoader(Rows(400), batch_size=4, num_workers=2,
+                                  arena_max_bytes=4 * 4096, timeout=20)  # fmt: skip
+    with pytest.raises(
+        ArenaExhaustedError,
+        match=r"up to 5 of them held by a DevicePrefetcher: its depth \+ 2\).*"
+        r"lower the DevicePrefetcher's depth, or raise arena_max_bytes",
+    ):
+        for _ in DevicePrefetcher(loader, "cuda", depth=3, engine=Done()):
+            pass
