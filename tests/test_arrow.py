@@ -297,6 +297,51 @@ def test_compressed_ipc_file_is_refused_with_the_fix(tmp_path):
         ArrowDataset(p)
 
 
+def test_a_struct_with_a_field_name_twice_is_refused_at_open(tmp_path):
+    """Review 38: a struct with fields a:int64 and a:float64 gave {'s': {'a': 10.0}}, the int
+    field silently gone (pyarrow's own to_pylist refuses such a table)."""
+    s = pa.StructArray.from_arrays(
+        [pa.array([1, 2], pa.int64()), pa.array([10.0, 20.0])], names=["a", "a"]
+    )
+    p = write_file(pa.table({"s": s, "id": pa.array([0, 1], pa.int64())}), tmp_path / "s.arrow")
+    with pytest.raises(ArrowSourceError, match=r"struct column 's' has field 'a' more than once"):
+        ArrowDataset(p)
+    assert ArrowDataset(p, columns=["id"])[1] == {"id": torch.tensor(1)}
+
+
+def test_a_file_this_process_has_no_address_space_for_names_itself_and_the_limit(tmp_path):
+    """Review 38: a bare ``OSError [Errno 12] mmap (the address range)``, naming neither the
+    file nor ``ulimit -v``. (A sparse file: it fails at the mapping, before any parsing.)"""
+    import resource
+
+    from tests.forked import ForkedChild
+
+    p = tmp_path / "big.arrow"
+    with open(p, "wb") as f:
+        f.truncate(1 << 30)
+
+    def open_it_under_a_limit() -> str:
+        with open("/proc/self/status") as status:
+            vm = next(int(x.split()[1]) << 10 for x in status if x.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+        try:
+            ArrowDataset(p)
+        except ArrowSourceError as e:
+            return str(e)
+        return "opened"
+
+    message = ForkedChild(open_it_under_a_limit, timeout=60).result()
+    assert message.startswith(f"{p}: cannot map its 1,073,741,824 bytes: ")
+    assert "`ulimit -v`, RLIMIT_AS" in message
+
+
+def test_a_column_of_type_null_is_refused_as_a_type_not_as_a_null(tmp_path):
+    """Review 38: it said 'has a null at row 0 ... fill or drop nulls', which cannot help."""
+    p = write_file(pa.table({"n": pa.nulls(3), "id": pa.array([0, 1, 2])}), tmp_path / "n.arrow")
+    with pytest.raises(ArrowSourceError, match=r"column 'n' has type null, which ArrowDataset"):
+        ArrowDataset(p)
+
+
 def test_truncated_file_is_refused_at_open(path, tmp_path):
     p = tmp_path / "cut.arrow"
     p.write_bytes(path.read_bytes()[: os.path.getsize(path) // 2])

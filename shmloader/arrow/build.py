@@ -129,6 +129,15 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
                         + a.offset * t.byte_width)
         return BytesPlan(False, data, None, t.byte_width, _validity(arrays, shards))
     if pa.types.is_struct(t):
+        fields = [t.field(i).name for i in range(t.num_fields)]
+        twice = sorted({f for f in fields if fields.count(f) > 1})
+        if twice:  # review 38: a dict row kept the last of them, and lost the others
+            raise ArrowSourceError(
+                f"{source}: struct column {name!r} has field {', '.join(map(repr, twice))} "
+                "more than once; ArrowDataset gives a struct as a dict and needs distinct "
+                "field names: cast the column to a struct type whose fields are renamed "
+                "(pyarrow Array.cast) and pack it again, or pass columns=[...] without it"
+            )
         children = [a.flatten() for a in arrays]
         return StructPlan({
             t.field(i).name: build_plan(f"{name}.{t.field(i).name}", t.field(i).type,

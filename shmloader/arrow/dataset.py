@@ -151,8 +151,10 @@ class ArrowDataset(Dataset[dict[str, Any]]):
         self._plans: dict[str, Plan] = {}
         for c in names:
             arrays = [b.column(c) for s in shards for b in s.batches]
+            # The type first: a column of type null is unsupported, not one to fill (review 38)
+            plan = build_plan(c, first.schema.field(c).type, arrays, owners, first.name)
             self._check_nulls(c, arrays, owners, in_file)
-            self._plans[c] = build_plan(c, first.schema.field(c).type, arrays, owners, first.name)
+            self._plans[c] = plan
 
     def _check_nulls(self, name: str, arrays: list[pa.Array], owners: list[Shard],
                      in_file: list[int]) -> None:

@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import stat
 import warnings
@@ -44,7 +45,7 @@ import pyarrow as pa
 import torch
 
 from arena.finalizers import on_death
-from arena.segment import map_readonly, reopen_descriptor
+from arena.segment import map_readonly, no_address_space, reopen_descriptor
 from shmloader.arrow.errors import ArrowSourceError
 
 FILE_MAGIC: Final = b"ARROW1"
@@ -206,7 +207,16 @@ class Shard:
             raise ArrowSourceError(f"{spec.name}: the file is empty, not an Arrow IPC file")
         # One descriptor per file shard: mmap.mmap would keep a duplicate of it (review 9:
         # 600 shards ran out of a 1,024-descriptor limit).
-        return pa.py_buffer(map_readonly(fd, st.st_size))
+        try:
+            return pa.py_buffer(map_readonly(fd, st.st_size))
+        except OSError as e:
+            if e.errno != errno.ENOMEM:
+                raise
+            cause, fixes = no_address_space()  # review 38: a bare OSError named neither
+            raise ArrowSourceError(
+                f"{spec.name}: cannot map its {st.st_size:,} bytes: {cause}. Fixes: {fixes}, "
+                "or split the data into smaller files (one ArrowDataset reads several)"
+            ) from None
 
     def _read_batches(self) -> tuple[pa.Schema, list[pa.RecordBatch]]:
         head = self.buffer[:8].to_pybytes()
