@@ -15,6 +15,7 @@ from arena.errors import (
     ArenaDescriptorError,
     ArenaError,
     ArenaExhaustedError,
+    InheritedArenaError,
     StaleSlotError,
 )
 from arena.segment import (
@@ -46,6 +47,7 @@ __all__ = [
     "ArraySpec",
     "Backend",
     "Descriptor",
+    "InheritedArenaError",
     "Mapping",
     "Segment",
     "SegmentSpec",

@@ -49,6 +49,12 @@ Invariants:
 - After ``close()`` the slabs are unmapped in this process (views still alive keep their pages) and
   ``acquire`` raises, but bookkeeping goes on: late releases still move slots to FREE, so
   statistics taken after close stay true.
+- An arena's books belong to the process that made it. A forked child's copy of them is out of
+  date the moment the parent moves on, so there every call that hands out, takes back or empties
+  slots raises :class:`InheritedArenaError` (before taking the lock, which a parent's thread may
+  have held at the fork), and ``close()`` closes the child's handles only: hollowing a slot the
+  copy lists as FREE would zero the parent's batch in it (review 38). A child reads slots by
+  attaching slabs (:meth:`Slab.attach`), or makes its own arena.
 """
 
 from __future__ import annotations
@@ -56,13 +62,20 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
 from arena._layout import page_align
-from arena.errors import ArenaCapacityError, ArenaDescriptorError, StaleSlotError
+from arena.errors import (
+    ArenaCapacityError,
+    ArenaDescriptorError,
+    InheritedArenaError,
+    StaleSlotError,
+)
 from arena.segment import Backend, mem_available_bytes
 from arena.slab import Slab
 from arena.stats import ArenaStats
@@ -102,10 +115,23 @@ def default_max_bytes() -> int:
     return mem_available_bytes() // 2
 
 
+_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()  # every arena of this process
+
+
+def _mark_inherited() -> None:
+    """In a forked child: every arena here is the parent's (module invariants)."""
+    for arena in list(_arenas):
+        arena._inherited = True
+
+
+os.register_at_fork(after_in_child=_mark_inherited)
+
+
 class Arena:
     """Owns slabs and hands out their slots. Lives in one process; slabs attach elsewhere."""
 
     _closed = True  # class default: close() is safe on a half-built object
+    _inherited = False  # set in a forked child (_mark_inherited)
 
     def __init__(
         self,
@@ -146,7 +172,9 @@ class Arena:
         self._high_water = 0
         self._growth_events = 0
         self._ids = itertools.count()
+        self._pid = os.getpid()
         self._closed = False
+        _arenas.add(self)
 
     # -- acquiring -----------------------------------------------------------------------------
 
@@ -159,8 +187,14 @@ class Arena:
         the cap by ``past_cap`` bytes (the owner's allowance for slots it holds but cannot use).
         Returns ``None`` when no fitting slot became free within ``timeout`` seconds and growth
         was not allowed or would pass the cap. Raises :class:`ArenaCapacityError` when ``nbytes``
-        can never fit.
+        can never fit. While it waits, only a released slot of a fitting size serves it: room
+        that idle slabs of other sizes hold comes back through :meth:`give_back_idle` alone,
+        which the owner calls (other processes must unmap what it gives back).
         """
+        if self._inherited:
+            raise self._not_here("hand out a slot")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         need = page_align(nbytes)
         if need > self.max_bytes:
             raise ArenaCapacityError(
@@ -225,6 +259,8 @@ class Arena:
     def requests_fell(self, nbytes: int) -> int:
         """The owner's requests are at most ``nbytes`` from now on: the classes loose for it go
         out of use (module invariants). Returns the bytes given back now."""
+        if self._inherited:
+            raise self._not_here("give slots' memory back")
         with self._lock:
             return self._out_of_use(loose_from(page_align(nbytes)))
 
@@ -265,6 +301,8 @@ class Arena:
         """Hollow FREE slots (see the module's invariants): all of them, or with ``past_cap``
         only until ``bytes_reserved`` is back within the cap plus that allowance (largest slots
         first). Returns the bytes given back."""
+        if self._inherited:
+            raise self._not_here("give slots' memory back")
         with self._lock:
             return self._hollow_free(past_cap)
 
@@ -305,8 +343,17 @@ class Arena:
         size, nslots = self._plan(need, past_cap)
         if nslots < 1:
             return False
-        self._add_slab(size, nslots)
-        return True
+        while True:
+            try:
+                self._add_slab(size, nslots)
+                return True
+            except ArenaCapacityError:
+                # The backing store (a small /dev/shm, the RAM) has no room for the whole slab:
+                # fewer slots, down to the one asked for, before failing (review 38: a 64 MB
+                # /dev/shm with room for three more batches failed a five-slot slab).
+                if nslots == 1:
+                    raise
+                nslots //= 2
 
     def _plan(self, need: int, past_cap: int) -> tuple[int, int]:
         """The slot size and count of the slab that growth for ``need`` adds (module
@@ -361,6 +408,8 @@ class Arena:
         arena no longer counts. ``before_close(slab_id)`` runs for each while its memory is
         still mapped here (the owner unlocks a page-locked slab there; review 37: it was
         unlocked after the unmap)."""
+        if self._inherited:
+            raise self._not_here("give slabs back")
         with self._cond:
             idle = [
                 sid
@@ -427,11 +476,13 @@ class Arena:
         self._transition(ref, SlotState.READY, SlotState.LENT)
 
     def _transition(self, ref: SlotRef, src: SlotState, dst: SlotState) -> None:
+        if self._inherited:
+            raise self._not_here(f"move a slot to {dst.name}")
         with self._lock:
             if self._closed:
                 self._check_open()
             gens = self._gens.get(ref.slab_id)
-            if gens is None or gens[ref.slot] != ref.generation:
+            if gens is None or not 0 <= ref.slot < len(gens) or gens[ref.slot] != ref.generation:
                 raise self._stale(ref)
             state = self._states[ref.slab_id][ref.slot]
             if state is not src:
@@ -442,10 +493,15 @@ class Arena:
             self._move(ref.slab_id, ref.slot, dst)
 
     def release(self, ref: SlotRef) -> bool:
-        """Any state -> FREE. False if the ref is stale (a no-op); raises on a double release."""
+        """Any state -> FREE. False if the ref is stale (a no-op); raises on a double release,
+        and on a slot number the slab does not have."""
+        if self._inherited:
+            raise self._not_here("take a slot back")
         with self._lock:
             gens = self._gens.get(ref.slab_id)
-            if gens is None or gens[ref.slot] != ref.generation:
+            if gens is None or not 0 <= ref.slot < len(gens) or gens[ref.slot] != ref.generation:
+                if gens is not None and not 0 <= ref.slot < len(gens):
+                    raise self._stale(ref)  # not a slot of its slab: a bug, not a late release
                 return False
             if self._states[ref.slab_id][ref.slot] is SlotState.FREE:
                 raise StaleSlotError(
@@ -467,16 +523,29 @@ class Arena:
         """Current state of the slot ``ref`` names (FREE if ``ref`` is stale)."""
         with self._cond:
             gens = self._gens.get(ref.slab_id)
-            if gens is None or gens[ref.slot] != ref.generation:
+            if gens is None or not 0 <= ref.slot < len(gens) or gens[ref.slot] != ref.generation:
                 return SlotState.FREE
             return self._states[ref.slab_id][ref.slot]
 
     def _stale(self, ref: SlotRef) -> StaleSlotError:
-        """The error for a reference whose generation is not the slot's current one."""
+        """The error for a reference whose generation is not the slot's current one, or whose
+        slot number its slab does not have."""
         gens = self._gens.get(ref.slab_id)
+        if gens is not None and not 0 <= ref.slot < len(gens):
+            return StaleSlotError(
+                f"no slot {ref.slot} in slab {ref.slab_id}: it has slots 0 to {len(gens) - 1}"
+            )
         return StaleSlotError(
             f"stale reference to slot {ref.slot} of slab {ref.slab_id}: generation "
             f"{ref.generation}, current {None if gens is None else gens[ref.slot]}"
+        )
+
+    def _not_here(self, what: str) -> InheritedArenaError:
+        return InheritedArenaError(
+            f"cannot {what}: this arena was made by process {self._pid} and this process "
+            f"({os.getpid()}) inherited it through fork(); its books are that process's, and "
+            "changing them here would overwrite or free the slots it uses. Attach its slabs "
+            "here to read them (Slab.attach), or make an Arena in this process."
         )
 
     def _move(self, slab_id: int, slot: int, dst: SlotState) -> None:
@@ -520,6 +589,8 @@ class Arena:
         whose books an interruption may have left half-changed, about to close the arena, that
         knows for sure only which slots are still read. Slabs that may not be hollowed keep
         theirs. Returns the slots emptied."""
+        if self._inherited:
+            raise self._not_here("empty slots")
         with self._cond:
             slabs = [s for sid, s in self._slabs.items() if self.can_hollow(sid)]
         done = 0
@@ -565,8 +636,15 @@ class Arena:
         return self._closed
 
     def close(self) -> None:
-        """Close every slab in this process. Idempotent. Views still alive stay valid."""
+        """Close every slab in this process. Idempotent. Views still alive stay valid. In a
+        forked child, only the child's handles close: the memory and the books stay the
+        parent's (module invariants)."""
         if self._closed:
+            return
+        if self._inherited:  # no lock: a parent's thread may have held it at the fork
+            self._closed = True
+            for slab in list(self._slabs.values()):
+                slab.close()
             return
         with self._cond:
             self._closed = True

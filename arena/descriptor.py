@@ -53,12 +53,17 @@ class Descriptor(NamedTuple):
     def check(self, slot_size: int) -> None:
         """Raise ``ValueError`` unless every array and the payload fit inside ``slot_size``."""
         for a in self.arrays:
-            if a.dtype not in DTYPES or len(a.shape) > MAX_NDIM or a.offset < 0:
+            if (a.dtype not in DTYPES or len(a.shape) > MAX_NDIM or a.offset < 0
+                    or any(d < 0 for d in a.shape)):  # fmt: skip
                 raise ValueError(f"corrupt array record {a}")
             if a.offset + a.nbytes > slot_size:
                 raise ValueError(
                     f"array at offset {a.offset} of {a.nbytes} bytes overruns slot of {slot_size}"
                 )
+        if self.payload_offset < 0 or self.payload_len < 0:
+            raise ValueError(
+                f"corrupt payload record: offset {self.payload_offset}, {self.payload_len} bytes"
+            )
         if self.payload_offset + self.payload_len > slot_size:
             raise ValueError(
                 f"payload at {self.payload_offset} of {self.payload_len} bytes overruns slot "
@@ -91,6 +96,8 @@ class Descriptor(NamedTuple):
         for _ in range(narrays):
             offset, dtype, ndim = ARRAY_HEAD.unpack_from(buf, pos)
             pos += ARRAY_HEAD.size
+            if ndim > MAX_NDIM:
+                raise ValueError(f"corrupt array record: {ndim} dimensions (at most {MAX_NDIM})")
             rec = SHAPES[ndim]
             shape = rec.unpack_from(buf, pos)
             pos += rec.size

@@ -21,3 +21,7 @@ class StaleSlotError(ArenaError):
 
 class ArenaDescriptorError(ArenaError):
     """Another slab would leave the process without file descriptors (``ulimit -n``)."""
+
+
+class InheritedArenaError(ArenaError):
+    """An arena's books were used in a process that inherited them through ``fork()``."""

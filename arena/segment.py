@@ -201,6 +201,17 @@ def _vm_size() -> int:
 def _map_capacity_error(size: int, err: int) -> ArenaCapacityError:
     """``mmap`` of a segment failed with ``ENOMEM``: the address space or memory it needs is not
     there. Names the address-space limit when one is set, since that is the usual cause."""
+    cause, fixes = no_address_space()
+    return ArenaCapacityError(
+        f"cannot map a shared-memory slab of {size:,} bytes: {os.strerror(err)}: {cause}. "
+        f"Fixes: {fixes}, or make slabs smaller: smaller batches (batch_size) or fewer slots "
+        "per slab (arena_slots_per_slab)."
+    )
+
+
+def no_address_space() -> tuple[str, str]:
+    """Why a mapping of this process failed with ``ENOMEM``, and how to fix it: the
+    address-space limit when one is set (the usual cause), else the kernel's refusal."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     vm = _vm_size()
     mapped = f"{vm:,} bytes" if vm >= 0 else "an unknown number of bytes"
@@ -220,11 +231,7 @@ def _map_capacity_error(size: int, err: int) -> ArenaCapacityError:
             "overcommit, vm.max_map_count, or the memory cgroup)"
         )
         fixes = "give the process more memory"
-    return ArenaCapacityError(
-        f"cannot map a shared-memory slab of {size:,} bytes: {os.strerror(err)}: {cause}. "
-        f"Fixes: {fixes}, or make slabs smaller: smaller batches (batch_size) or fewer slots "
-        "per slab (arena_slots_per_slab)."
-    )
+    return cause, fixes
 
 
 def _attach_error(spec: SegmentSpec, err: int) -> ArenaError | OSError:

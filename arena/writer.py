@@ -21,6 +21,8 @@ class SlotWriter:
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a fresh ``nbytes`` range, or ``None`` if the slot is full."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         start = align_up(self.used, ALIGN)
         end = start + nbytes
         if end > self.capacity:

@@ -14,7 +14,8 @@ re-exported here so no one needs to know that): :class:`ArenaError` (the base),
 :class:`ArenaCapacityError` (a batch or slab cannot get the bytes), :class:`ArenaExhaustedError`
 (every slot is held and the arena is at its cap), :class:`ArenaDescriptorError` (a process, the
 main one or a worker, has no file descriptor to spare for a slab or the RNG-state ring: ``ulimit
--n``), :class:`StaleSlotError` (a slot released twice).
+-n``), :class:`StaleSlotError` (a slot released twice), :class:`InheritedArenaError` (an
+arena's books used in a process that inherited them through ``fork()``).
 """
 
 import os
@@ -29,6 +30,7 @@ from arena.errors import (
     ArenaDescriptorError,
     ArenaError,
     ArenaExhaustedError,
+    InheritedArenaError,
     StaleSlotError,
 )
 from shmloader.collate import empty
@@ -94,6 +96,7 @@ __all__ = [
     "ArenaExhaustedError",
     "DataLoader",
     "DevicePrefetcher",
+    "InheritedArenaError",
     "LoaderStats",
     "StaleSlotError",
     "empty",

@@ -13,8 +13,9 @@ import pytest
 
 from arena._layout import PAGE
 from arena.allocator import Arena, SlotRef, SlotState, default_max_bytes
-from arena.errors import ArenaCapacityError, StaleSlotError
+from arena.errors import ArenaCapacityError, InheritedArenaError, StaleSlotError
 from arena.segment import mem_available_bytes
+from tests.forked import ForkedChild
 
 THREAD_TIMEOUT_S = 30.0
 
@@ -745,3 +746,91 @@ def test_a_slot_that_goes_hollow_on_release_still_wakes_a_waiting_acquire():
         assert got and got[0] is not None and arena.slot_size(got[0]) == PAGE  # a snug slot
         assert arena.stats().slots_hollow == 1
         check_books(arena)
+
+
+def test_a_forked_childs_copy_of_an_arena_neither_frees_nor_hands_out_the_parents_slots():
+    """Review 38: a child that closed its inherited copy of an arena hollowed the slots that
+    copy listed as FREE, zeroing a batch the parent had written there since the fork; one that
+    acquired from it handed out (and wrote) a slot the parent had lent. In the child every call
+    that changes the books raises, and close() closes the child's handles only."""
+    arena = Arena(backend="memfd", max_bytes=8 * PAGE, slots_per_slab=4)
+    go_r, go_w = os.pipe()
+    try:
+        held = acquire(arena, PAGE)
+        arena.release(acquire(arena, PAGE))  # FREE in the child's copy of the books
+        view = np.frombuffer(arena.slot_buffer(held), dtype=np.uint8)
+        view[:] = 7
+
+        def in_child() -> list[str]:
+            os.read(go_r, 1)  # the parent has written the slot the copy lists as FREE
+            calls = [
+                lambda: arena.acquire(PAGE),
+                lambda: arena.release(held),
+                lambda: arena.mark_ready(held),
+                lambda: arena.hollow(),
+                lambda: arena.give_back_idle(),
+                lambda: arena.requests_fell(0),
+                lambda: arena.empty_all_but([]),
+            ]
+            raised = []
+            for call in calls:
+                try:
+                    call()
+                    raised.append("nothing")
+                except InheritedArenaError:
+                    raised.append("InheritedArenaError")
+            arena.close()
+            return raised
+
+        child = ForkedChild(in_child, timeout=30)
+        later = np.frombuffer(arena.slot_buffer(acquire(arena, PAGE)), dtype=np.uint8)
+        later[:] = 9
+        os.write(go_w, b"x")
+        assert child.result() == ["InheritedArenaError"] * 7
+        assert (view == 7).all() and (later == 9).all()
+    finally:
+        os.close(go_r)
+        os.close(go_w)
+        arena.close()
+
+
+@pytest.mark.parametrize("slot", [-1, 4, 99])
+def test_a_slot_number_the_slab_lacks_is_refused_not_wrapped(slot: int) -> None:
+    """Review 38: slot -1 released slot 3 (Python's negative index) and put (0, -1) on the free
+    list; slot 99 raised a bare IndexError."""
+    with closing(Arena(backend="memfd", max_bytes=8 * PAGE, slots_per_slab=4)) as arena:
+        refs = [acquire(arena, PAGE) for _ in range(4)]
+        bad = SlotRef(refs[0].slab_id, slot, refs[3].generation)
+        with pytest.raises(StaleSlotError, match=rf"no slot {slot} in slab .*slots 0 to 3"):
+            arena.release(bad)
+        with pytest.raises(StaleSlotError, match=rf"no slot {slot} in slab"):
+            arena.mark_ready(bad)
+        assert arena.state(bad) is SlotState.FREE
+        assert [arena.state(r) for r in refs] == [SlotState.WRITING] * 4
+        assert arena.release(refs[3])
+
+
+def test_a_negative_request_is_refused():
+    with (
+        closing(Arena(backend="memfd", max_bytes=8 * PAGE)) as arena,
+        pytest.raises(ValueError, match="nbytes must be >= 0, got -5"),
+    ):
+        arena.acquire(-5)
+
+
+def test_growth_the_backing_store_cannot_hold_whole_takes_fewer_slots(monkeypatch):
+    """Review 38: with the POSIX backend, growth asked /dev/shm for a whole slab (slots_per_slab
+    slots or more) and failed when it had room for fewer, though those were all the batch
+    needed; it now halves the slot count down to one before failing."""
+    import arena.segment
+
+    free = [3 * 16 * PAGE]  # /dev/shm "has" room for three slots of 16 pages
+    monkeypatch.setattr(arena.segment, "shm_free_bytes", lambda path="": free[0])
+    with closing(Arena(backend="posix", max_bytes=1 << 24, slots_per_slab=4)) as a:
+        acquire(a, 16 * PAGE)
+        assert a.stats().slots_total == 2  # 4 did not fit
+        free[0] = 8 * PAGE  # not even one more
+        acquire(a, 16 * PAGE)  # the second slot
+        with pytest.raises(ArenaCapacityError, match=f"{16 * PAGE:,}"):
+            a.acquire(16 * PAGE)
+        check_books(a)

@@ -95,12 +95,29 @@ def test_check_rejects_a_payload_that_overruns_the_slot():
 
 @pytest.mark.parametrize(
     "spec",
-    [ArraySpec(0, 200, (1,)), ArraySpec(-64, F32, (1,)), ArraySpec(0, F32, (1,) * 65)],
-    ids=["unknown-dtype", "negative-offset", "too-many-dims"],
+    [
+        ArraySpec(0, 200, (1,)),
+        ArraySpec(-64, F32, (1,)),
+        ArraySpec(0, F32, (1,) * 65),
+        ArraySpec(0, F32, (2, -1)),  # review 38: a view read to the slot's end
+    ],
+    ids=["unknown-dtype", "negative-offset", "too-many-dims", "negative-dim"],
 )
 def test_check_rejects_a_corrupt_array_record(spec):
     with pytest.raises(ValueError, match="corrupt array record"):
         Descriptor(REF, (spec,)).check(1 << 20)
+
+
+def test_check_rejects_a_negative_payload_offset():
+    with pytest.raises(ValueError, match="corrupt payload record: offset -8"):
+        Descriptor(REF, (), payload_offset=-8, payload_len=8).check(128)
+
+
+def test_decode_of_more_dimensions_than_numpy_allows_is_a_value_error():
+    """Review 38: an IndexError from the shape table."""
+    frame = DESC_HEAD.pack(0, 0, 1, 1, 0, 0, 0) + ARRAY_HEAD.pack(0, F32, 70) + bytes(8 * 70)
+    with pytest.raises(ValueError, match="70 dimensions"):
+        Descriptor.decode(frame)
 
 
 @settings(max_examples=100)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +36,15 @@ def test_overflow_returns_none_without_changing_used():
     assert writer.used == ALIGN + 1
     assert writer.alloc(2 * ALIGN) == 2 * ALIGN  # the exact remainder still fits
     assert writer.used == writer.capacity
+
+
+def test_a_negative_size_is_refused_without_moving_used():
+    """Review 38: alloc(-900) moved ``used`` back, so the next range overlapped an earlier one."""
+    writer = SlotWriter(PAGE)
+    writer.alloc(1000)
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -900"):
+        writer.alloc(-900)
+    assert writer.used == 1000 and writer.alloc(1) == 1024
 
 
 def test_alignment_padding_counts_toward_overflow():
