@@ -407,7 +407,8 @@ class Arena:
         released early, a process forked meanwhile -- keeps address space, not the bytes the
         arena no longer counts. ``before_close(slab_id)`` runs for each while its memory is
         still mapped here (the owner unlocks a page-locked slab there; review 37: it was
-        unlocked after the unmap)."""
+        unlocked after the unmap); an owner that must learn the ids even when a call raises
+        records them there."""
         if self._inherited:
             raise self._not_here("give slabs back")
         with self._cond:
@@ -417,14 +418,21 @@ class Arena:
                 if all(state is SlotState.FREE for state in states)
             ]
             gone = [(self._forget_slab(sid), self.can_hollow(sid)) for sid in idle]
+        # Every slab is closed, and handed to before_close first, even if before_close raises
+        # for one (a failed unlock, a Ctrl-C in it): the first error is raised after them all
+        # (review 39: the rest were left to the garbage collector, unmapped while locked).
+        failed: BaseException | None = None
         for sid, (slab, hollow) in zip(idle, gone, strict=True):
             try:
                 if before_close is not None:
                     before_close(sid)
-            finally:
-                if hollow:
-                    slab.segment.punch(0, slab.size)
-                slab.close()
+            except BaseException as e:  # noqa: BLE001 - raised once every slab is closed
+                failed = failed or e
+            if hollow:
+                slab.segment.punch(0, slab.size)
+            slab.close()
+        if failed is not None:
+            raise failed
         return idle
 
     def _forget_slab(self, slab_id: int) -> Slab:

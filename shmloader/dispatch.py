@@ -572,8 +572,17 @@ class Dispatch:
     def _make_room(self) -> None:
         """At the cap: give back idle slabs, and hollow free slots beside held ones (neither
         then counts against the cap)."""
-        for slab_id in self.arena.give_back_idle(before_close=self.host.pinner.unregister):
-            self._forget_slab(slab_id)
+        gone: list[int] = []
+
+        def unlock(slab_id: int) -> None:  # while the slab is still mapped (review 37)
+            gone.append(slab_id)
+            self.host.pinner.unregister(slab_id)
+
+        try:
+            self.arena.give_back_idle(before_close=unlock)
+        finally:  # an unlock that raised: the workers still unmap every slab given back
+            for slab_id in gone:
+                self._forget_slab(slab_id)
         self.arena.hollow()
 
     def _slots_coming_back(self) -> bool:
@@ -717,7 +726,8 @@ class Dispatch:
         ready = sum(1 for i in mine if type(i.answer) is P.Ready)
         writing = len(mine) - ready + sum(len(o.slots) for o in self.orphans.values())
         prefetcher = (
-            f" (up to {self.consumer_holds} of them held by a DevicePrefetcher: its depth + 2)"
+            f" (up to {self.consumer_holds} of them may be held by a DevicePrefetcher over "
+            "this loader: its depth + 2, and those of prefetchers over it)"
             if self.consumer_holds > 1
             else ""
         )

@@ -229,6 +229,11 @@ class ShmDataLoaderIter(NextBatch):
         self._at.log = deque(self._at.log or (), maxlen=keep)
         self._rngs_before = deque(self._rngs_before or (), maxlen=keep)
 
+    def _batches_taken(self) -> int:
+        """Batches of the epoch taken so far, yielded or raised (an error that took none, a
+        timeout or the cap's, leaves it): a DevicePrefetcher tells the two kinds apart."""
+        return self._at.count
+
     def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
         """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and
         maybe (``end_unseen``) the epoch's end, found ahead of its user: ``state_dict()`` counts

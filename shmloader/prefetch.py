@@ -111,6 +111,23 @@ def map_tensors(batch: Any, fn: Any) -> Any:
     return batch
 
 
+def each_tensor(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of ``batch``, walked as :func:`map_tensors` walks it, nothing rebuilt (a
+    tuple subclass whose constructor checks what it holds must not be rebuilt from ``None``s:
+    review 39)."""
+    stack = [batch]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, str | bytes):
+            continue
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, Sequence):
+            stack.extend(x)
+
+
 class CudaCopyEngine:
     """Copies on one side stream of ``device``."""
 
@@ -128,7 +145,8 @@ class CudaCopyEngine:
     def hand_over(self, device_batch: Any, event: Event) -> None:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)  # type: ignore[arg-type]
-        map_tensors(device_batch, lambda t: t.record_stream(consumer))
+        for t in each_tensor(device_batch):
+            t.record_stream(consumer)
 
 
 class DevicePrefetcher:
@@ -182,10 +200,13 @@ _NONE = object()  # no batch taken ahead
 
 
 class _LoaderError:
-    """An error the loader raised when a batch was taken: raised at that batch's turn."""
+    """An error the loader raised when a batch was taken: raised at that batch's turn.
+    ``consumed``: whether it used up a batch (a sample's error does; a timeout, or the arena
+    at its cap, does not: the loader gives that batch at the next call)."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception, consumed: bool = True) -> None:
         self.error = error
+        self.consumed = consumed
 
 
 class _Prefetching:
@@ -202,6 +223,11 @@ class _Prefetching:
         self.retiring: deque[tuple[Any, Event, bool]] = deque()
         self.ahead: Any = _NONE  # taken from the loader, not copied yet
         self.ended = False
+        # An error that used up no batch is queued: take nothing more from the loader until it
+        # is raised (review 39: taking on raised the same cap error twice, and each counted
+        # as a batch held, so a state saved there repeated one).
+        self.stalled = False
+        self.taken = 0  # batches (and errors that used one up) handed out: _batches_taken()
         self.end_raised = False  # StopIteration raised to this pass's consumer
         # What a prefetcher over this one holds unseen (_batches_ahead), counted with ours.
         self.outer: tuple[int, bool] = (0, False)
@@ -225,6 +251,11 @@ class _Prefetching:
         self.tell_ahead: Callable[[int, bool], None] | None = getattr(
             self.source, "_batches_ahead", None
         )
+        # How many batches the source has used up, errors included (a shmloader iterator, or a
+        # prefetcher's pass): whether an error it raises used one up.
+        self.source_taken: Callable[[], int] | None = getattr(
+            self.source, "_batches_taken", None
+        )
 
     def __iter__(self) -> _Prefetching:
         return self
@@ -233,11 +264,14 @@ class _Prefetching:
         while True:
             # Hand out the oldest copy once ``depth`` more are issued behind it (and the next
             # batch is taken), or once the loader has nothing more.
-            if self.queue and (len(self.queue) > self.depth or self.ended):
+            if self.queue and (len(self.queue) > self.depth or self.ended or self.stalled):
                 item = self.queue.popleft()
                 if isinstance(item, _LoaderError):
+                    self.stalled = self.stalled and item.consumed
+                    self.taken += item.consumed
                     self._tell()
                     raise item.error
+                self.taken += 1
                 try:
                     batch = self._hand_over(*item)
                 finally:
@@ -256,12 +290,16 @@ class _Prefetching:
             # Take the next host batch from the loader now, while the copy just issued runs
             # on the side stream: the loader's CPU time overlaps the DMA even when the consumer
             # waits for the whole device (torch.cuda.synchronize()) every step.
+            taken = self.source_taken
+            before = None if taken is None else taken()
             try:
                 self.ahead = next(self.source)
             except StopIteration:
                 self.ended = True
             except Exception as e:  # noqa: BLE001 - the loader's error, raised in its turn
-                self.queue.append(_LoaderError(e))
+                consumed = taken is None or taken() != before
+                self.queue.append(_LoaderError(e, consumed))
+                self.stalled = not consumed
 
     def _tell(self, end_seen: bool = False) -> None:
         """Tell a shmloader iterator how many of its batches are held here unseen, and whether
@@ -269,7 +307,8 @@ class _Prefetching:
         a prefetcher over this one adds its own (:meth:`_batches_ahead`)."""
         self.end_raised = self.end_raised or end_seen
         if self.tell_ahead is not None:
-            held = len(self.queue) + (self.ahead is not _NONE) + self.outer[0]
+            held = sum(not isinstance(i, _LoaderError) or i.consumed for i in self.queue)
+            held += (self.ahead is not _NONE) + self.outer[0]
             self.tell_ahead(held, (self.ended and not self.end_raised) or self.outer[1])
 
     def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
@@ -277,6 +316,11 @@ class _Prefetching:
         maybe the end): the shmloader iterator behind is told of them with those held here."""
         self.outer = (batches, end_unseen)
         self._tell()
+
+    def _batches_taken(self) -> int:
+        """Batches this pass handed out, errors that used one up included (for a prefetcher
+        over this one)."""
+        return self.taken
 
     def rewindable(self, batches: int) -> None:
         """A prefetcher over this one holds up to ``batches`` ahead: the shmloader iterator

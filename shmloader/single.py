@@ -122,6 +122,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._ended = True
             raise
 
+    def _batches_taken(self) -> int:
+        """Batches of the epoch drawn so far, yielded or raised (for a DevicePrefetcher)."""
+        return self._consumed
+
     def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
         """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and
         maybe the epoch's end."""

@@ -20,7 +20,10 @@ The guard's full collection after every test would scan every object the interpr
 collection has finished, everything alive is moved to the collector's permanent generation
 (``gc.freeze``): those objects were made by imports and test collection, before any test ran, so
 no loader, iterator or batch is among them, and the per-test collection scans only what the tests
-made since.
+made since. (One test thaws the heap for its own run and freezes it again after a full collection
+once its loader is gone: ``test_workers_freeze_what_they_inherit...``; a loader still alive then
+would have failed the guard of the test that left it.) A frozen cycle is never collected, so
+freezing can make the guard fail where it passed, never pass where it failed.
 """
 
 from __future__ import annotations

@@ -27,8 +27,10 @@ from torch.utils.data import (
     get_worker_info,
 )
 
+from arena.errors import ArenaExhaustedError
 from shmloader import DataLoader, DevicePrefetcher
 from shmloader.prefetch import map_tensors
+from tests.fault_datasets import Gate, Gated, Ramp
 from tests.resume_items import (
     TIMEOUT,
     Item,
@@ -587,6 +589,79 @@ def test_a_prefetcher_over_an_iterator_a_wrapper_or_a_prefetcher_resumes_at_the_
     batches from the loader, whose state then resumed past them."""
     for save_after, rest, got in _saved_in_the_loop_and_resumed(PREFETCHED[case], WRAPPED[wrap]):
         assert got == rest, f"saved after {save_after}"
+
+
+def test_a_timeout_behind_a_prefetcher_uses_up_no_batch_and_is_raised_once() -> None:
+    """Review 39: the prefetcher counted the loader's timeout as a batch it held (the loader
+    gives that batch at the next call), so a state saved at the error resumed one batch early;
+    and it took again at once, raising a second timeout before the user could act on the
+    first."""
+    gate = Gate()
+    loader = DataLoader(Gated(16, 6, gate), batch_size=1, num_workers=2, timeout=2)
+    it = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+    seen: list[int] = []
+    saved: list[tuple[int, dict[str, Any]]] = []
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except RuntimeError as e:
+            assert "timed out" in str(e)
+            saved.append((len(seen), roundtrip(loader.state_dict())))
+            gate.open()  # the sample that held it up comes now
+            continue
+        seen.append(int(batch[0, 0]))
+    assert seen == list(range(16)) and len(saved) == 1
+    at, state = saved[0]
+    resumed = DataLoader(Ramp(16), batch_size=1, num_workers=2, timeout=TIMEOUT)
+    resumed.load_state_dict(state)
+    assert [int(b[0, 0]) for b in resumed] == seen[at:]
+
+
+class _Keeping:
+    """A copy engine whose "device" batch is the host batch itself: the user holds the slots."""
+
+    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
+        return batch, _DoneEvent()
+
+    def hand_over(self, device_batch: Any, event: Any) -> None:
+        pass
+
+
+def test_the_cap_behind_a_prefetcher_uses_up_no_batch_and_is_raised_once_per_event() -> None:
+    """Review 39: at the cap the prefetcher raised each ArenaExhaustedError twice (it took again
+    at once, before the user had dropped anything) and counted each as a batch it held, so a
+    state saved at the first resumed one batch early."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Ramp(40, width=256 * 1024), batch_size=1, num_workers=2,
+                          timeout=TIMEOUT, arena_max_bytes=12 << 20)  # fmt: skip
+
+    loader = make()
+    it = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=_Keeping()))
+    held: list[Any] = []
+    seen: list[int] = []
+    events: list[int] = []  # len(seen) at each error
+    state: dict[str, Any] | None = None
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except ArenaExhaustedError:
+            events.append(len(seen))
+            held.clear()  # the user drops what they hold, and goes on
+            if state is None:
+                state = roundtrip(loader.state_dict())
+            continue
+        seen.append(int(batch[0, 0]))
+        held.append(batch)
+    assert seen == list(range(40)) and events and state is not None
+    assert len(set(events)) == len(events), events  # one error per event, a batch between
+    del held, it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [int(b[0, 0]) for b in resumed] == seen[events[0] :]
 
 
 def _indices(key: bytes) -> list[float]:

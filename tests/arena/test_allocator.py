@@ -571,6 +571,31 @@ def test_a_slab_given_back_is_handed_to_before_close_while_still_open():
         arena.close()
 
 
+def test_a_before_close_that_raises_still_closes_every_slab_given_back():
+    """Review 39: a raising before_close (a failed unlock, a Ctrl-C in it) left the other idle
+    slabs, already out of the books, unclosed and never handed to before_close."""
+    arena = Arena(backend="memfd", max_bytes=64 * PAGE, slots_per_slab=1)
+    refs = [acquire(arena, n * PAGE) for n in (1, 2, 4)]  # three slabs, one per size
+    slabs = [arena.slab(r.slab_id) for r in refs]
+    seen: list[int] = []
+
+    def before_close(slab_id: int) -> None:
+        seen.append(slab_id)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    try:
+        for ref in refs:
+            arena.release(ref)
+        with pytest.raises(KeyboardInterrupt):
+            arena.give_back_idle(before_close)
+        assert sorted(seen) == sorted(r.slab_id for r in refs)
+        assert all(slab.segment.closed for slab in slabs)
+        assert arena.stats().bytes_reserved == 0
+    finally:
+        arena.close()
+
+
 def test_a_closed_arena_keeps_only_the_memory_of_slots_still_viewed():
     arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
     refs = [acquire(arena, PAGE) for _ in range(4)]

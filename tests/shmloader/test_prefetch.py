@@ -348,8 +348,54 @@ def test_at_the_cap_the_error_names_the_batches_a_prefetcher_holds():
                                   arena_max_bytes=4 * 4096, timeout=20)  # fmt: skip
     with pytest.raises(
         ArenaExhaustedError,
-        match=r"up to 5 of them held by a DevicePrefetcher: its depth \+ 2\).*"
+        match=r"up to 5 of them may be held by a DevicePrefetcher over this loader: its "
+        r"depth \+ 2, and those of prefetchers over it\).*"
         r"lower the DevicePrefetcher's depth, or raise arena_max_bytes",
     ):
         for _ in DevicePrefetcher(loader, "cuda", depth=3, engine=Done()):
             pass
+
+
+class Checked(tuple):
+    """A tuple subclass whose constructor checks that it holds tensors only."""
+
+    def __new__(cls, items):
+        items = tuple(items)
+        if not all(isinstance(t, torch.Tensor) for t in items):
+            raise TypeError("Checked holds tensors only")
+        return super().__new__(cls, items)
+
+
+class Recorded(torch.Tensor):
+    """A tensor that logs ``record_stream`` (a CPU stand-in for a device tensor)."""
+
+    log: list = []  # noqa: RUF012 - one log for the test
+
+    def record_stream(self, stream):
+        Recorded.log.append((id(self), stream))
+
+
+def test_the_hand_over_marks_every_tensor_and_rebuilds_nothing(monkeypatch):
+    """Review 39: the CUDA hand-over walked the device batch with map_tensors to call
+    record_stream, rebuilding every container from the calls' Nones: a tuple subclass that
+    checks what it holds raised on every batch (torch's pin_memory passes it tensors)."""
+    from shmloader.prefetch import CudaCopyEngine
+
+    class Consumer:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    consumer = Consumer()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+    engine = object.__new__(CudaCopyEngine)  # no CUDA here: no side stream to make
+    engine.device = torch.device("cuda")
+    a, b, c = (torch.zeros(1).as_subclass(Recorded) for _ in range(3))
+    batch = {"x": Checked([a, b]), "y": [c, "label", 3]}
+    Recorded.log.clear()
+    engine.hand_over(batch, "event")
+    assert consumer.waited == ["event"]
+    assert sorted(i for i, _ in Recorded.log) == sorted(map(id, (a, b, c)))
+    assert all(s is consumer for _, s in Recorded.log)
