@@ -157,6 +157,8 @@ class Dispatch:
         # Batches a consumer keeps at once: a DevicePrefetcher's depth + 2 (the iterator's
         # rewindable()); the cap's error counts them among the user's.
         self.consumer_holds = 1
+        # The backing store's refusal of the last growth for a size slots already serve.
+        self.store_full: str | None = None
         host.dispatches.add(self)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -397,12 +399,22 @@ class Dispatch:
             self._grant(info, ref)
 
     def _grow_for(self, info: TaskInfo[Answer], nbytes: int) -> bool:
-        """Grow the arena for ``info`` (within the cap); deny a batch that can never fit."""
+        """Grow the arena for ``info`` (within the cap); deny a batch that can never fit. When
+        the backing store has no room for another slab (a small ``/dev/shm`` with
+        ``arena_backend="posix"``) but slots that fit the batch exist, it waits for one of those
+        instead, as at the cap (review 38: the arena now takes the slots the store has room
+        for, so a loop that drops its batches runs on them)."""
         try:
             ref = self._acquire(nbytes, grow=True)
         except ArenaCapacityError as e:
+            if self.arena.has_class_for(nbytes):
+                # Its words only: the error's traceback holds this dispatch's frames, and the
+                # iterator's finalizer holds this dispatch (a dropped iterator would live on).
+                self.store_full = str(e)  # named by the cap's error, if it comes to that
+                return False
             self._deny(info, e)
             return True
+        self.store_full = None  # grown, or at the cap: the store is not what stops it now
         if ref is None:
             return False
         self._give(info, ref)
@@ -700,7 +712,11 @@ class Dispatch:
         """Tasks whose batch is finished in a slot and not yet yielded."""
         return [i for i in [*self.arrived, *self.tasks] if type(i.answer) is P.Ready]
 
-    def _exhausted(self, seq: int, nbytes: int) -> ArenaExhaustedError:
+    def _exhausted(self, seq: int, nbytes: int) -> ArenaExhaustedError | ArenaCapacityError:
+        """The error of a batch that finds no slot: ArenaExhaustedError at the cap; when the
+        backing store stopped the arena below its cap (a full ``/dev/shm``), the store's own
+        ArenaCapacityError, as when it stops the first slab (tests/test_no_room_for_a_slab.py),
+        with what the user holds."""
         st, leases = self.arena.stats(), self.host.leases
         held = leases.live()
         held_bytes = sum(self.arena.slot_size(lease.slot) for lease in held)
@@ -725,23 +741,30 @@ class Dispatch:
         mine = [i for i in [*self.tasks, *self.arrived] if i.ref is not None]
         ready = sum(1 for i in mine if type(i.answer) is P.Ready)
         writing = len(mine) - ready + sum(len(o.slots) for o in self.orphans.values())
+        limit = (
+            f"is at its cap of {st.max_bytes:,} bytes ({st.slots_total} slots){stuck}"
+            if self.store_full is None
+            else f"cannot grow below its cap of {st.max_bytes:,} bytes ({st.slots_total} "
+            f"slots){stuck}: the backing store has no room (below)"
+        )
+        store = "" if self.store_full is None else f" Growing failed: {self.store_full}"
         prefetcher = (
             f" (up to {self.consumer_holds} of them may be held by a DevicePrefetcher over "
             "this loader: its depth + 2, and those of prefetchers over it)"
             if self.consumer_holds > 1
             else ""
         )
-        return ArenaExhaustedError(
+        kind = ArenaExhaustedError if self.store_full is None else ArenaCapacityError
+        return kind(
             f"no arena slot is free for the next batch: the user holds {len(held)} batches "
             f"({held_bytes:,} bytes){prefetcher}{self._kept()}, "
             f"{ready} finished batches wait to be yielded and {writing} are being "
-            f"written{elsewhere}, and the arena is at its "
-            f"cap of {st.max_bytes:,} bytes ({st.slots_total} slots){stuck}; "
+            f"written{elsewhere}, and the arena {limit}; "
             f"{st.bytes_reserved:,} bytes are reserved and the next batch needs {nbytes:,}. "
             "Drop references to old batches, copy what you keep with .clone(), release them "
             "early with shmloader.release(batch, loader), "
             + ("lower the DevicePrefetcher's depth, " if prefetcher else "")
-            + "or raise arena_max_bytes."
+            + f"or raise arena_max_bytes.{store}"
         )
 
     def _kept(self) -> str:

@@ -418,7 +418,7 @@ def _break(persistent: bool) -> None:
 def _small_shm() -> None:
     """Inside a 64 MB /dev/shm: shmloader's default backend, explicit POSIX, torch's loader."""
     import shmloader
-    from arena import ArenaCapacityError
+    from arena import ArenaCapacityError, ArenaExhaustedError
 
     out: dict[str, Any] = {"dev_shm_free_at_start": shm_view()["dev_shm_free"]}
     data = Images(256)  # 8 batches of 32 x 3x512x512 uint8 = 25,165,824 bytes each
@@ -439,12 +439,28 @@ def _small_shm() -> None:
         }
     del batch, loader
 
+    # Explicit POSIX: the slots /dev/shm has room for (two of 25 MB), then a batch no slot of
+    # /dev/shm can hold (96 images, 75 MB) at once.
     loader = shmloader.DataLoader(data, batch_size=32, num_workers=2, arena_backend="posix")
+    ok = 0
+    for i, batch in enumerate(loader):
+        ok += bool(torch.equal(batch[:, 0, 0, 0].long(), torch.arange(32 * i, 32 * i + 32) % 251))
+    out["posix"] = {"batches": i + 1, "checks_passed": ok, "slots": loader.stats().slots_total}
+    del batch, loader
+    loader = shmloader.DataLoader(data, batch_size=32, num_workers=2, arena_backend="posix")
+    held = []
+    try:
+        held.extend(loader)
+        out["posix_held"] = {"raised": None}
+    except (ArenaCapacityError, ArenaExhaustedError) as e:
+        out["posix_held"] = {"raised": type(e).__name__, "held": len(held), "message": str(e)}
+    del held, loader
+    loader = shmloader.DataLoader(data, batch_size=96, num_workers=2, arena_backend="posix")
     try:
         next(iter(loader))
-        out["posix"] = {"raised": None}
+        out["posix_too_big"] = {"raised": None}
     except ArenaCapacityError as e:
-        out["posix"] = {"raised": type(e).__name__, "message": str(e)}
+        out["posix_too_big"] = {"raised": type(e).__name__, "message": str(e)}
     del loader
 
     torch_loader = torch.utils.data.DataLoader(data, batch_size=32, num_workers=2, timeout=60)

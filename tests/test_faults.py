@@ -508,10 +508,22 @@ def test_the_default_backend_completes_an_epoch_of_25_mb_batches_in_a_64_mb_dev_
     assert "memfd" in warning
 
 
+def test_an_explicit_posix_backend_runs_an_epoch_on_the_slots_dev_shm_has_room_for(
+    small_shm_report,
+):
+    """Review 38: the first slab asked /dev/shm for five 25 MB slots and the loader failed at
+    its first batch, though two fit and a loop that drops its batches needs no more."""
+    assert small_shm_report["posix"] == {"batches": 8, "checks_passed": 8, "slots": 2}
+    held = small_shm_report["posix_held"]  # a loop that keeps them: as many as fit, then why
+    assert held["raised"] == "ArenaCapacityError" and held["held"] == 2, held
+    assert re.search(r"the user holds 2 batches .*cannot grow below its cap.*Growing failed: "
+                     r"cannot reserve [\d,]+ bytes .*/dev/shm", held["message"]), held["message"]
+
+
 def test_an_explicit_posix_backend_fails_at_first_batch_with_the_numbers_and_the_fixes(
     small_shm_report,
 ):
-    posix = small_shm_report["posix"]
+    posix = small_shm_report["posix_too_big"]  # a 75 MB batch: no slot fits in 64 MB
     assert posix["raised"] == "ArenaCapacityError"
     message = posix["message"]
     assert re.search(r"cannot reserve [\d,]+ bytes", message), message
