@@ -7,8 +7,12 @@
 - ``single_copy_limit`` times ``torch.stack(samples, out=preallocated)`` of one batch on one
   thread; ``h2d_limit`` times the host-to-device copy of one pinned batch. Both report batches/s
   from the median of at least ``LIMIT_REPEATS[0]`` timed copies after ``LIMIT_WARMUP`` untimed ones.
-- ``PssSampler`` tracks the peak summed PSS of this process and its children in a thread and
-  counts its own CPU time, which callers subtract from the process's.
+- ``PssSampler`` tracks the peak summed PSS of this process and its children in a thread; the
+  bench runs it in a pass of its own after the timed one, so its CPU is in no timed figure.
+- ``workers_cpu_seconds`` reads the CPU of the children a run started, live or reaped.
+- The bare loops fetch as the loaders' workers do (``__getitems__`` where the dataset has one)
+  and freeze what they inherit, as shmloader's workers do; ragged samples are copied with their
+  padding zeroed, as a padding collate writes them.
 - ``reap`` makes sure no process a run started outlives it; ``interrupt_on_sigterm`` makes
   SIGTERM take the Ctrl-C path, so a killed benchmark still tears down and reports.
 
@@ -19,6 +23,7 @@ Invariant: every helper leaves torch's thread count, and the set of this process
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import statistics
@@ -50,7 +55,9 @@ LIMIT_WARMUP = 2  # untimed copies before timing a limit
 LIMIT_REPEATS = (5, 50)  # at least / at most this many timed copies ...
 LIMIT_MIN_S = 0.5  # ... and keep copying until this much time has passed
 # Interpreter-wide helpers started by multiprocessing, not by a run: never reaped.
-HELPER_PROCESSES = ("forkserver", "resource_tracker")
+# Matched as the modules they run (``-c 'from multiprocessing.forkserver import main ...'``):
+# a bare word would also match a worker whose inherited argv names it (an --out path).
+HELPER_PROCESSES = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
 
 # -- consuming batches ---------------------------------------------------------------------------
@@ -147,11 +154,22 @@ def single_copy_limit(workload: Workload) -> tuple[float, int]:
     def copy() -> None:
         if same_shape:
             torch.stack(samples, out=out)
-            return
-        for i, t in enumerate(samples):
-            out[i][tuple(slice(0, n) for n in t.shape)].copy_(t)
+        else:
+            _padded_copy(samples, out)
 
     return _median_rate(copy), out.nbytes
+
+
+def _padded_copy(samples: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ragged ``samples`` into ``out``, each into the corner of its row, and zero the
+    padding beside it (what a padding collate writes, ``tools._synthetic.pad_collate``)."""
+    for i, t in enumerate(samples):
+        row = out[i]
+        row[tuple(slice(0, n) for n in t.shape)].copy_(t)
+        for d, n in enumerate(t.shape):
+            if n < row.shape[d]:  # the band past the sample along d, within it before d
+                band = [slice(0, t.shape[k]) for k in range(d)] + [slice(n, None)]
+                row[tuple(band)].zero_()
 
 
 def _stack_for(seconds: float, workload: Workload, buffers: int, stream: bool, start: Any,
@@ -171,8 +189,8 @@ def _stack_for(seconds: float, workload: Workload, buffers: int, stream: bool, s
             gather(out.data_ptr(), size, srcs)
         elif same:
             torch.stack(samples, out=out)
-        else:
-            out.zero_()
+        else:  # the single-copy limit's padded copy (review 41: a memset was timed here)
+            _padded_copy(samples, out)
 
     for out in outs:
         copy(out)
@@ -272,8 +290,12 @@ def _bare_batch(
     def indices(b: int) -> list[int]:
         return [order[(b * size + j) % n] for j in range(size)]
 
+    getitems = getattr(dataset, "__getitems__", None)
+
     def fetch_collate(idx: list[int]) -> None:
-        collate([dataset[i] for i in idx])
+        # As torch's fetcher (and both loaders' workers) fetch: __getitems__ where the dataset
+        # has one (review 41: ArrowDataset's per-row path cost 20x its batched one).
+        collate(getitems(idx) if getitems else [dataset[i] for i in idx])
 
     return indices, fetch_collate
 
@@ -281,6 +303,7 @@ def _bare_batch(
 def _bare_for(seconds: float, workload: Workload, seed: int, start: Any, out_q: Any) -> None:
     """One process of :func:`n_process_bare`: bare batches for ``seconds``; puts batches/s."""
     torch.set_num_threads(1)
+    gc.freeze()  # what the fork inherited, as a shmloader worker does (review 41)
     indices, fetch_collate = _bare_batch(workload, seed)
     # One epoch of index lists, made before the clock starts (a worker is handed its indices).
     per_epoch = len(workload.dataset) // workload.batch_size  # type: ignore[arg-type]
@@ -302,6 +325,16 @@ def n_process_bare(workload: Workload, processes: int, seconds: float = 1.0,
     cost at all -- no main process, no IPC, no slot bookkeeping. Divided by ``torch-0``'s rate it
     is the ceiling of ``x torch-0`` on this machine, for a CPU-bound workload."""
     return _together(processes, seconds, _bare_for, (workload, seed))
+
+
+def workers_cpu_seconds(before: set[int]) -> float:
+    """CPU seconds used so far by the children started since ``before`` (the pids then): those
+    alive, plus every child this process has reaped (``RUSAGE_CHILDREN``). A difference of two
+    readings covers workers that started, or exited and were joined, in between (a loader
+    without persistent workers starts new ones every epoch: review 41 read 0 for them)."""
+    reaped = os.times()
+    live = [p for p in children() if p.pid not in before]
+    return cpu_seconds(live) + reaped.children_user + reaped.children_system
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:

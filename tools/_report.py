@@ -17,7 +17,8 @@ summary from them, so the table, the JSON and the CSV can never disagree:
 - ``nproc_bare_batches_per_s`` N processes each running the bare fetch + collate loop at once:
                      what N workers could deliver with no loader cost; its ``x torch-0`` cell
                      is the most any N-worker loader can reach against ``torch-0`` here
-- ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children
+- ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children,
+                     in MiB (2**20 bytes; the column keeps its old name)
 - ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
                      single-copy limit
 """
@@ -208,7 +209,7 @@ def format_table(results: list[WorkloadResult]) -> str:
     """The human table: one block per workload, the single-copy limit first, then each loader."""
     header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
               "% N-proc", "% N-proc x2", "% N-proc stream", "main CPU us/batch",
-              "worker CPU us/batch", "peak PSS MB")
+              "worker CPU us/batch", "peak PSS MiB")
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
 

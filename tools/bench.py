@@ -51,7 +51,11 @@ Method
   they measure it faster: ``% N-proc stream`` is then its ceiling (``SHMLOADER_STREAMING=0``
   turns streaming off, ``1`` always on).
 - Worker CPU per batch = CPU seconds of the loader's worker processes over the timed loop,
-  divided by batches. ``bare`` is ``collate([dataset[i] for i in indices])`` in the main process
+  divided by batches: those alive, and those started and joined within it (``--fresh-workers``
+  starts new ones every epoch; the kernel's count of reaped children covers them). It is read
+  from ``/proc`` in clock ticks (10 ms), so runs shorter than the default 2 s read coarsely.
+  ``bare`` is ``collate(dataset.__getitems__(indices))`` (``[dataset[i] for i in indices]``
+  without it, as torch's fetcher does) in the main process
   (median of 50 batches, indices in shuffled order as the loaders get them): the part of a
   worker's time that is the dataset's and the collate's, so ``worker - bare`` is the loader's
   own overhead per batch (the ``null`` workload shows it alone). ``bare`` copies with
@@ -101,7 +105,6 @@ from ._measure import (
     bare_fetch_collate_us,
     children,
     close,
-    cpu_seconds,
     drain,
     h2d_limit,
     interrupt_on_sigterm,
@@ -113,6 +116,7 @@ from ._measure import (
     streams,
     to_device,
     touch,
+    workers_cpu_seconds,
 )
 from ._report import (
     LoaderResult,
@@ -160,11 +164,10 @@ def run_once(
         warm_batches, warm_bytes = drain(source, progress, consume=consume,
                                          limit=args.max_batches, count=True)
         progress.start(label)
-        workers = [p for p in children() if p.pid not in before]
-        cpu0, wcpu0 = time.process_time(), cpu_seconds(workers)
+        cpu0, wcpu0 = time.process_time(), workers_cpu_seconds(before)
         batches, seconds = _drain_for(source, progress, consume, args.max_batches, args.min_seconds)
         cpu = time.process_time() - cpu0
-        worker_cpu = cpu_seconds(workers) - wcpu0
+        worker_cpu = workers_cpu_seconds(before) - wcpu0
         progress.repeat_done(batches, seconds)
         # Peak PSS from a pass of its own, after the timed one: a sample costs milliseconds of
         # kernel CPU, which the timed loop's workers would lose (module docstring).
@@ -276,7 +279,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma list of loader columns (default: {DEFAULT_LOADERS})")
     p.add_argument("--workers", type=int, default=2, help="num_workers of the loaders (default 2)")
     p.add_argument("--repeats", type=positive_int, default=None, help="timed epochs per loader (3)")
-    p.add_argument("--max-batches", type=positive_int, default=None, help="cap batches per epoch")
+    p.add_argument("--max-batches", type=positive_int, default=None,
+                   help="cap batches per epoch; each timed run is then one such epoch "
+                        "(--min-seconds does not apply)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="override every batch size")
     p.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")

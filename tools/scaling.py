@@ -286,7 +286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timed part of a run lasts at least this long (0.5; --quick 0.2)")
     p.add_argument("--min-batches", type=positive_int, default=8,
                    help="... and has at least this many batches (8)")
-    p.add_argument("--workers", default=None,
+    p.add_argument("--workers", type=_worker_counts, default=None,
                    help="comma list of worker counts for the workers sweep (default 1,2,3,4; "
                    "e.g. 1,2,4,8,14 on a many-core machine)")
     p.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
@@ -328,11 +328,22 @@ def _meta(args: argparse.Namespace, interrupted: bool) -> dict[str, Any]:
     }
 
 
+def _worker_counts(text: str) -> tuple[int, ...]:
+    """argparse type of --workers: a comma list of worker counts, each >= 1 (review 41: 0
+    ended in torch's traceback, 'x' in a ValueError's)."""
+    try:
+        return tuple(positive_int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of worker counts >= 1, e.g. 1,2,4; got {text!r}"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     interrupt_on_sigterm()
     progress = Progress()
-    workers = tuple(int(n) for n in args.workers.split(",")) if args.workers else None
+    workers = args.workers
     points = plan(args.quick, args.sweeps, workers)
     interrupted = False
     try:

@@ -92,8 +92,8 @@ def _table(samples: dict[str, list[ProcSample]]) -> str:
     for w, m, e in [*rows, total]:
         pid = str(w.pid) if w.pid else ""
         lines.append(
-            f"{w.role:<10} {pid:>7} | {w.rss / MB:>9.1f} MB {m.rss / MB:>7.1f} MB "
-            f"{e.rss / MB:>7.1f} MB {growth_pct(w.rss, e.rss):>+7.2f}% | "
+            f"{w.role:<10} {pid:>7} | {w.rss / MB:>9.1f} MiB {m.rss / MB:>7.1f} MiB "
+            f"{e.rss / MB:>7.1f} MiB {growth_pct(w.rss, e.rss):>+7.2f}% | "
             f"{w.fds:>11} {e.fds:>5} {e.fds - w.fds:>+6}"
         )
     return "\n".join(lines)

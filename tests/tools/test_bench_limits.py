@@ -131,3 +131,45 @@ def _cells(table: str) -> list[dict[str, str]]:
     return [
         {n: line[a:b].strip() for n, (a, b) in zip(names, spans, strict=True)} for line in lines
     ]
+
+
+def test_the_limits_pad_ragged_samples_as_a_padding_collate_does():
+    """Review 41: the N-process limit 'copied' a ragged batch with out.zero_(), a memset at about
+    twice the padded copy's rate; both limits now write what tools._synthetic.pad_collate
+    writes."""
+    from tools._synthetic import pad_collate
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(1, 255, (3, h, w), dtype=torch.uint8, generator=gen)
+               for h, w in ((5, 7), (6, 4), (3, 8))]  # fmt: skip
+    out = torch.full((3, 3, 6, 8), 99, dtype=torch.uint8)  # the last batch's bytes
+    _measure._padded_copy(samples, out)
+    expected, _ = pad_collate([(s, 0) for s in samples])
+    assert torch.equal(out, expected)
+
+
+class _Batched(torch.utils.data.Dataset):
+    """A dataset with a batched fetch, as ArrowDataset has: records which path was used."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.calls.append("item")
+        return torch.zeros(2)
+
+    def __getitems__(self, idx: list[int]) -> list[torch.Tensor]:
+        self.calls.append("items")
+        return [torch.zeros(2) for _ in idx]
+
+
+def test_the_bare_loop_fetches_through_getitems_as_the_loaders_do():
+    """Review 41: the bare loop fetched row by row where both loaders call __getitems__ (on
+    ArrowDataset 20x slower), so its ceiling was far below what the loaders reached."""
+    dataset = _Batched()
+    indices, fetch_collate = _measure._bare_batch(Workload("batched", dataset, 4, None, ""), 0)
+    fetch_collate(indices(0))
+    assert dataset.calls == ["items"]

@@ -67,3 +67,36 @@ def test_the_timed_loop_runs_without_the_sampler_and_peak_pss_comes_from_its_own
     else:
         assert len(rest) == run.batches  # no memory pass at all
         assert run.peak_pss_mb == 0.0
+
+
+@pytest.mark.parametrize("loader", ["torch", "shmloader"])
+def test_workers_started_afresh_every_epoch_have_their_cpu_counted(loader: str) -> None:
+    """Review 41: with --fresh-workers the workers were listed once, after the warm-up epoch;
+    those had exited by the timed epochs, whose new workers were never counted: worker CPU 0."""
+    workload = make_workload("null", seed=0, quick=True)
+    progress = Progress(io.StringIO())
+    (column,) = resolve_columns([loader], 2, True, True, progress)
+    assert not column.persistent
+    args = argparse.Namespace(
+        prefetch_factor=None, max_batches=None, min_seconds=0.3, pss_interval=0.0, seed=0
+    )
+    run = bench.run_once(column, workload, args, f"null | {loader}", progress)
+    assert run.batches > 0 and run.worker_cpu_seconds > 0
+
+
+def test_a_worker_whose_command_line_names_a_helper_is_still_a_child() -> None:
+    """Review 41: workers inherit the bench's argv; an --out path holding 'forkserver' made
+    every worker look like multiprocessing's helper, and their CPU went uncounted."""
+    import subprocess
+    import sys
+
+    from tools._measure import children
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()", "--out", "/tmp/forkserver"],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        assert child.pid in {p.pid for p in children()}
+    finally:
+        child.communicate(b"", timeout=30)

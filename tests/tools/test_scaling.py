@@ -79,3 +79,11 @@ def test_full_plan_spans_64_kib_to_256_mib_and_prefetches_one_batch_from_64_mib(
     assert sizes[0] == 64 * 1024 and sizes[-1] == 256 * 1024 * 1024
     assert all(p.prefetch_factor == (1 if p.batch_bytes >= 64 << 20 else 2) for p in points)
     assert [p.workers for p in points if p.sweep == "workers"] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", "2,,4"])
+def test_a_bad_worker_list_is_refused_by_the_parser(bad, capsys):
+    """Review 41: --workers 0 ended in torch's traceback, 1,x in a bare ValueError's."""
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--workers", bad])
+    assert "argument --workers" in capsys.readouterr().err
