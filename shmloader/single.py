@@ -108,6 +108,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return index
 
     def _next_data(self) -> Any:
+        logged = self._rngs_before is not None
         if self._rngs_before is not None:
             self._rngs_before.append(rngstate.capture())
         drawn = self._consumed
@@ -117,9 +118,16 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # No batch came of that fetch (an IterableDataset's index was drawn, then its replica
             # ended): it is not counted, nor its RNG state kept.
             self._consumed = drawn
-            if self._rngs_before:
+            if logged and self._rngs_before:
                 self._rngs_before.pop()
             self._ended = True
+            raise
+        except BaseException:
+            # The sampler raised before it drew (no batch used up): nor is its RNG state kept,
+            # else a state saved behind a DevicePrefetcher takes the RNGs one batch late
+            # (review 40).
+            if logged and self._consumed == drawn and self._rngs_before:
+                self._rngs_before.pop()
             raise
 
     def _batches_taken(self) -> int:

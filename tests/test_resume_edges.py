@@ -619,6 +619,57 @@ def test_a_timeout_behind_a_prefetcher_uses_up_no_batch_and_is_raised_once() -> 
     assert [int(b[0, 0]) for b in resumed] == seen[at:]
 
 
+class _RaisesOnce(Sampler[int]):
+    """0..n-1, raising ValueError instead of drawing the ``at``-th index (which ends its
+    iterator, and so the epoch)."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            if i == self.at:
+                raise ValueError(f"sampler failed at draw {self.at}")
+            yield i
+
+
+@pytest.mark.parametrize("prefetched", [False, True], ids=["plain", "prefetcher"])
+def test_a_sampler_error_without_workers_keeps_no_rng_state_of_a_batch(prefetched: bool) -> None:
+    """Review 40: with num_workers=0 the main-process RNGs logged before a fetch whose sampler
+    raised (no batch used up) were kept, so a state saved behind a DevicePrefetcher took them
+    one batch late: the resumed batch 2 had batch 3's random draw."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=1, sampler=_RaisesOnce(8, 3))
+
+    def run(source: Iterable[Any], save_at: int | None = None) -> list[Any]:
+        seen: list[Any] = []
+        it = iter(source)
+        while True:
+            try:
+                seen.append(batch_bytes(next(it)))
+            except StopIteration:
+                return seen
+            except ValueError as e:
+                seen.append(str(e))
+            if len(seen) == save_at:
+                saved.append(roundtrip(loader.state_dict()))
+
+    saved: list[dict[str, Any]] = []
+    seed_all(0)
+    loader = make()
+    source = DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()) if prefetched \
+        else loader  # fmt: skip
+    seen = run(source, save_at=2)
+    seed_all(99)
+    resumed = make()
+    resumed.load_state_dict(saved[0])
+    assert run(resumed) == seen[2:]
+
+
 class _Keeping:
     """A copy engine whose "device" batch is the host batch itself: the user holds the slots."""
 
