@@ -59,6 +59,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import time
@@ -100,13 +101,21 @@ class Orphan(NamedTuple):
 
 class MainError:
     """An error of the main process's own for one task (a batch that can never fit the arena),
-    raised at that batch's turn like a worker's error."""
+    raised at that batch's turn like a worker's error.
+
+    It keeps the error without the traceback and context it was caught with, and raises a copy:
+    a traceback holds the frames it passed (the dispatch's, and through them the iterator's),
+    and this object is held by the task's answer in the dispatch, so keeping or raising the
+    caught error itself made a cycle that kept a dropped iterator, its workers and its slabs
+    alive until the garbage collector ran (review 42: a fresh loader's retry found /dev/shm
+    still full)."""
 
     def __init__(self, exc: BaseException) -> None:
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         self.exc = exc
 
     def reraise(self) -> None:
-        raise self.exc
+        raise copy.copy(self.exc)
 
 
 class Dispatch:
@@ -401,24 +410,39 @@ class Dispatch:
     def _grow_for(self, info: TaskInfo[Answer], nbytes: int) -> bool:
         """Grow the arena for ``info`` (within the cap); deny a batch that can never fit. When
         the backing store has no room for another slab (a small ``/dev/shm`` with
-        ``arena_backend="posix"``) but slots that fit the batch exist, it waits for one of those
-        instead, as at the cap (review 38: the arena now takes the slots the store has room
-        for, so a loop that drops its batches runs on them)."""
+        ``arena_backend="posix"``), the arena first gives the store what it holds idle (idle
+        slabs of other sizes, free slots hollowed, as at the cap) and tries again (review 42);
+        if that fails while slots that fit the batch exist, or slots are in use whose room
+        comes back when they are free, it waits for them, as at the cap (review 38: the arena
+        takes the slots the store has room for, so a loop that drops its batches runs on them);
+        only a batch nothing can make room for is denied."""
         try:
             ref = self._acquire(nbytes, grow=True)
         except ArenaCapacityError as e:
-            if self.arena.has_class_for(nbytes):
-                # Its words only: the error's traceback holds this dispatch's frames, and the
-                # iterator's finalizer holds this dispatch (a dropped iterator would live on).
-                self.store_full = str(e)  # named by the cap's error, if it comes to that
-                return False
-            self._deny(info, e)
-            return True
+            if page_align(nbytes) > self.arena.max_bytes:  # larger than the cap: never fits
+                self._deny(info, e)
+                return True
+            self._make_room()
+            try:
+                ref = self._acquire(nbytes, grow=True)
+            except ArenaCapacityError as again:
+                if self.arena.has_class_for(nbytes) or self._slots_in_use():
+                    # Its words only: the error's traceback holds this dispatch's frames, and
+                    # the iterator's finalizer holds this dispatch (it would live on).
+                    self.store_full = str(again)  # named by the cap's error, if it comes to it
+                    return False
+                self._deny(info, again)
+                return True
         self.store_full = None  # grown, or at the cap: the store is not what stops it now
         if ref is None:
             return False
         self._give(info, ref)
         return True
+
+    def _slots_in_use(self) -> bool:
+        """Whether any slot of the arena is not FREE (its room comes back when it is)."""
+        st = self.arena.stats()
+        return st.slots_total > st.slots_by_state.get("free", 0)
 
     def _grant(self, info: TaskInfo[Answer], ref: SlotRef) -> None:
         info.ref = ref
@@ -731,10 +755,11 @@ class Dispatch:
         )
         others = [i for d in self._others() for i in [*d.tasks, *d.arrived] if i.ref is not None]
         other_bytes = sum(self.arena.slot_size(i.ref) for i in others)
+        shared = "arena_max_bytes" if self.store_full is None else "the arena"
         elsewhere = (
             f"; another live iterator of this loader holds {len(others)} slots "
             f"({other_bytes:,} bytes) for batches it prefetched (finish it, or drop it; "
-            "iterators used at once, in one thread or several, share arena_max_bytes)"
+            f"iterators used at once, in one thread or several, share {shared})"
             if others
             else ""
         )
@@ -748,6 +773,11 @@ class Dispatch:
             f"slots){stuck}: the backing store has no room (below)"
         )
         store = "" if self.store_full is None else f" Growing failed: {self.store_full}"
+        raise_it = (
+            "or raise arena_max_bytes."
+            if self.store_full is None
+            else "or give the backing store more room (below)."
+        )
         prefetcher = (
             f" (up to {self.consumer_holds} of them may be held by a DevicePrefetcher over "
             "this loader: its depth + 2, and those of prefetchers over it)"
@@ -764,7 +794,8 @@ class Dispatch:
             "Drop references to old batches, copy what you keep with .clone(), release them "
             "early with shmloader.release(batch, loader), "
             + ("lower the DevicePrefetcher's depth, " if prefetcher else "")
-            + f"or raise arena_max_bytes.{store}"
+            + raise_it
+            + store
         )
 
     def _kept(self) -> str:

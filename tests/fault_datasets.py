@@ -455,6 +455,15 @@ def _small_shm() -> None:
     except (ArenaCapacityError, ArenaExhaustedError) as e:
         out["posix_held"] = {"raised": type(e).__name__, "held": len(held), "message": str(e)}
     del held, loader
+    # Batches that double mid-epoch (10 MB, then 20 MB): the store has no room for the bigger
+    # slab until the arena gives back the smaller one's (review 42: refused at once).
+    mb = 1 << 20
+    growing = SizedByBatch([10 * mb] * 4 + [20 * mb] * 4, 1)
+    loader = shmloader.DataLoader(growing, batch_size=1, num_workers=2, arena_backend="posix")
+    right = [int(b.numel()) == growing.lengths[i] and int(b[0, -1]) == i for i, b in
+             enumerate(loader)]  # fmt: skip
+    out["posix_growing"] = {"batches": len(right), "right": sum(right)}
+    del loader
     loader = shmloader.DataLoader(data, batch_size=96, num_workers=2, arena_backend="posix")
     try:
         next(iter(loader))

@@ -520,6 +520,14 @@ def test_an_explicit_posix_backend_runs_an_epoch_on_the_slots_dev_shm_has_room_f
                      r"cannot reserve [\d,]+ bytes .*/dev/shm", held["message"]), held["message"]
 
 
+def test_an_explicit_posix_backend_gives_back_a_smaller_slab_for_batches_that_grow(
+    small_shm_report,
+):
+    """Review 42: a batch of a new, bigger size was refused at once when /dev/shm had no room,
+    though the arena's own idle slab of the smaller size held the room it needed."""
+    assert small_shm_report["posix_growing"] == {"batches": 8, "right": 8}
+
+
 def test_an_explicit_posix_backend_fails_at_first_batch_with_the_numbers_and_the_fixes(
     small_shm_report,
 ):

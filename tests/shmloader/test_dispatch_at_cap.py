@@ -68,3 +68,40 @@ def test_with_no_slot_coming_back_the_head_raises(host):
     d = blocked_head(host)  # the fourth slot is taken by nothing that will ever answer
     with pytest.raises(ArenaExhaustedError, match="no arena slot is free for the next batch"):
         d.unblock(0, None)
+
+
+def test_a_main_process_error_keeps_no_frame_it_was_caught_in_and_raises_a_copy():
+    """Review 42: the error of a batch the dispatch denied kept its traceback (the dispatch's
+    frames, and through them the iterator's) inside the task's answer, a cycle: a dropped
+    loader kept its workers and slabs until the garbage collector ran, and a fresh loader's
+    retry found /dev/shm still full."""
+    import gc
+    import weakref
+
+    from arena import ArenaCapacityError
+    from shmloader.dispatch import MainError
+
+    class Holder:
+        pass
+
+    def deny(holder: Holder) -> MainError:  # a frame that holds ``holder`` catches the error
+        try:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise ArenaCapacityError("cannot reserve 8 bytes") from None
+        except ArenaCapacityError as e:
+            return MainError(e)
+
+    holder = Holder()
+    alive = weakref.ref(holder)
+    error = deny(holder)
+    del holder
+    gc.disable()  # (nothing but reference counts may free it)
+    try:
+        assert alive() is None
+        with pytest.raises(ArenaCapacityError, match="cannot reserve 8 bytes") as raised:
+            error.reraise()
+        assert raised.value is not error.exc
+    finally:
+        gc.enable()
