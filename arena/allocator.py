@@ -349,11 +349,13 @@ class Arena:
                 return True
             except ArenaCapacityError:
                 # The backing store (a small /dev/shm, the RAM) has no room for the whole slab:
-                # fewer slots, down to the one asked for, before failing (review 38: a 64 MB
-                # /dev/shm with room for three more batches failed a five-slot slab).
-                if nslots == 1:
+                # fewer slots, down to one (review 38: a 64 MB /dev/shm with room for three more
+                # batches failed a five-slot slab), then one of just the size asked for where an
+                # existing bigger class was planned (review 43: 27 MB free failed a 28 MB slot
+                # for a 20 MB batch).
+                if nslots == 1 and size == need:
                     raise
-                nslots //= 2
+                size, nslots = (need, 1) if nslots == 1 else (size, nslots // 2)
 
     def _plan(self, need: int, past_cap: int) -> tuple[int, int]:
         """The slot size and count of the slab that growth for ``need`` adds (module
@@ -417,18 +419,20 @@ class Arena:
                 for sid, states in self._states.items()
                 if all(state is SlotState.FREE for state in states)
             ]
-            gone = [(self._forget_slab(sid), self.can_hollow(sid)) for sid in idle]
+            gone = [self._forget_slab(sid) for sid in idle]
         # Every slab is closed, and handed to before_close first, even if before_close raises
         # for one (a failed unlock, a Ctrl-C in it): the first error is raised after them all
         # (review 39: the rest were left to the garbage collector, unmapped while locked).
+        # Whether it may be hollowed is asked after before_close: a slab unlocked there gives
+        # its memory back now, not when the last worker unmaps it (review 43).
         failed: BaseException | None = None
-        for sid, (slab, hollow) in zip(idle, gone, strict=True):
+        for sid, slab in zip(idle, gone, strict=True):
             try:
                 if before_close is not None:
                     before_close(sid)
             except BaseException as e:  # noqa: BLE001 - raised once every slab is closed
                 failed = failed or e
-            if hollow:
+            if self.can_hollow(sid):
                 slab.segment.punch(0, slab.size)
             slab.close()
         if failed is not None:

@@ -8,7 +8,10 @@ class ArenaError(RuntimeError):
 
 
 class ArenaCapacityError(ArenaError):
-    """A segment could not be reserved: the backing store (``/dev/shm`` or RAM) lacks the bytes."""
+    """A segment could not be reserved: the backing store (``/dev/shm`` or RAM) lacks the bytes.
+    ``never``: the segment is larger than the whole store, so no freeing makes room for it."""
+
+    never: bool = False
 
 
 class ArenaExhaustedError(ArenaError):

@@ -103,8 +103,20 @@ def mem_available_bytes() -> int:
     return 0  # pragma: no cover - every Linux since 3.14 has MemAvailable
 
 
+def store_bytes(backend: Backend) -> int:
+    """The whole size of the store a segment of ``backend`` takes its memory from: the
+    ``/dev/shm`` mount (POSIX) or the machine's RAM (memfd)."""
+    if backend is Backend.POSIX:
+        try:
+            st = os.statvfs(SHM_DIR)
+        except OSError:
+            return 0
+        return st.f_blocks * st.f_frsize
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _capacity_error(nbytes: int, backend: Backend, cause: str) -> ArenaCapacityError:
-    return ArenaCapacityError(
+    error = ArenaCapacityError(
         f"cannot reserve {nbytes:,} bytes of shared memory with backend {backend.value!r}: "
         f"{cause}. "
         f"/dev/shm has {shm_free_bytes():,} bytes free; RAM has {mem_available_bytes():,} bytes "
@@ -112,6 +124,8 @@ def _capacity_error(nbytes: int, backend: Backend, cause: str) -> ArenaCapacityE
         "keep fewer batches in flight (lower prefetch_factor or num_workers, or arena_max_bytes), "
         "or use arena_backend='memfd' (or 'auto'), which is not bounded by the /dev/shm mount."
     )
+    error.never = nbytes > store_bytes(backend)
+    return error
 
 
 DESCRIPTOR_HEADROOM = 8  # descriptors left free for the rest of the process when making a slab

@@ -419,7 +419,9 @@ class Dispatch:
         try:
             ref = self._acquire(nbytes, grow=True)
         except ArenaCapacityError as e:
-            if page_align(nbytes) > self.arena.max_bytes:  # larger than the cap: never fits
+            if page_align(nbytes) > self.arena.max_bytes or e.never:
+                # Larger than the cap, or than the whole store (review 43: waiting for room
+                # that cannot come raised the same batch's error at every call)
                 self._deny(info, e)
                 return True
             self._make_room()

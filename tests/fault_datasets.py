@@ -464,6 +464,20 @@ def _small_shm() -> None:
              enumerate(loader)]  # fmt: skip
     out["posix_growing"] = {"batches": len(right), "right": sum(right)}
     del loader
+    # One batch larger than the whole of /dev/shm among small ones: denied once, the epoch goes
+    # on (review 43: it waited for room that cannot come, raising at every call).
+    never = SizedByBatch([10 * mb] * 4 + [80 * mb] + [10 * mb] * 4, 1)
+    loader = shmloader.DataLoader(never, batch_size=1, num_workers=2, arena_backend="posix")
+    it, got, errors = iter(loader), [], []
+    while len(errors) < 3:
+        try:
+            got.append(int(next(it)[0, -1]))
+        except StopIteration:
+            break
+        except ArenaCapacityError as e:
+            errors.append(e.never)
+    out["posix_never"] = {"got": got, "errors": errors}
+    del it, loader
     loader = shmloader.DataLoader(data, batch_size=96, num_workers=2, arena_backend="posix")
     try:
         next(iter(loader))

@@ -528,6 +528,14 @@ def test_an_explicit_posix_backend_gives_back_a_smaller_slab_for_batches_that_gr
     assert small_shm_report["posix_growing"] == {"batches": 8, "right": 8}
 
 
+def test_a_batch_larger_than_the_whole_dev_shm_is_refused_once_and_the_epoch_goes_on(
+    small_shm_report,
+):
+    """Review 43: such a batch waited for room that could never come, and every next() raised
+    its error again; the epoch's later batches were lost."""
+    assert small_shm_report["posix_never"] == {"got": [0, 1, 2, 3, 5, 6, 7, 8], "errors": [True]}
+
+
 def test_an_explicit_posix_backend_fails_at_first_batch_with_the_numbers_and_the_fixes(
     small_shm_report,
 ):

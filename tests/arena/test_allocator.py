@@ -859,3 +859,40 @@ def test_growth_the_backing_store_cannot_hold_whole_takes_fewer_slots(monkeypatc
         with pytest.raises(ArenaCapacityError, match=f"{16 * PAGE:,}"):
             a.acquire(16 * PAGE)
         check_books(a)
+
+
+def test_a_slab_unlocked_in_before_close_gives_its_memory_back_at_once():
+    """Review 43: whether a slab may be hollowed was asked before before_close unlocked it, so a
+    page-locked slab kept its memory until the last worker unmapped it, and growth that needed
+    the room failed meanwhile."""
+    arena = Arena(backend="memfd", max_bytes=4 * PAGE, slots_per_slab=4)
+    locked = set()
+    arena.can_hollow = lambda slab_id: slab_id not in locked
+    refs = [acquire(arena, PAGE) for _ in range(4)]
+    for ref in refs:
+        np.frombuffer(arena.slot_buffer(ref), dtype=np.uint8)[:] = 1
+    locked.add(refs[0].slab_id)
+    fd = os.dup(arena.slab(refs[0].slab_id).segment._fd)
+    try:
+        for ref in refs:
+            arena.release(ref)
+        assert arena.give_back_idle(locked.discard) == [refs[0].slab_id]
+        assert os.fstat(fd).st_blocks == 0  # punched once unlocked
+    finally:
+        os.close(fd)
+        arena.close()
+
+
+def test_growth_tries_a_slot_of_just_the_size_asked_for_before_failing(monkeypatch):
+    """Review 43: a 20-page request planned a slot of the existing 28-page class; the store had
+    room for 27 pages and growth failed without trying 20."""
+    import arena.segment
+
+    free = [1 << 30]
+    monkeypatch.setattr(arena.segment, "shm_free_bytes", lambda path="": free[0])
+    with closing(Arena(backend="posix", max_bytes=1 << 24, slots_per_slab=1)) as a:
+        held = acquire(a, 28 * PAGE)
+        free[0] = 27 * PAGE
+        ref = acquire(a, 20 * PAGE)
+        assert a.slot_size(ref) == 20 * PAGE and a.state(held) is SlotState.WRITING
+        check_books(a)
