@@ -243,9 +243,7 @@ class _Prefetching:
         # iter(loader), or a wrapper whose iter() returns it; review 37), its state_dict()
         # rewinds what is held here. (Such a loader's slabs keep their slot count: the arena
         # adds a slab if the workers need one.)
-        rewindable = getattr(self.source, "rewindable", None)
-        if rewindable is not None:
-            rewindable(owner.depth + 2)
+        self.rewindable(0)
         # A shmloader iterator counts what is held here unseen, for its loader's state_dict()
         # (per iterator: two prefetchers over one loader keep their own counts).
         self.tell_ahead: Callable[[int, bool], None] | None = getattr(

@@ -108,24 +108,22 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return index
 
     def _next_data(self) -> Any:
-        logged = self._rngs_before is not None
-        if self._rngs_before is not None:
-            self._rngs_before.append(rngstate.capture())
+        log = self._rngs_before
+        logged = log is not None
+        if log is not None:
+            log.append(rngstate.capture())
         drawn = self._consumed
         try:
             return super()._next_data()  # type: ignore[no-untyped-call]
-        except StopIteration:
-            # No batch came of that fetch (an IterableDataset's index was drawn, then its replica
-            # ended): it is not counted, nor its RNG state kept.
-            self._consumed = drawn
-            if logged and self._rngs_before:
-                self._rngs_before.pop()
-            self._ended = True
-            raise
-        except BaseException:
-            # The sampler raised before it drew (no batch used up): nor is its RNG state kept,
-            # else a state saved behind a DevicePrefetcher takes the RNGs one batch late
-            # (review 40).
+        except BaseException as e:
+            if isinstance(e, StopIteration):
+                # No batch came of that fetch (an IterableDataset's index was drawn, then its
+                # replica ended): it is not counted.
+                self._consumed = drawn
+                self._ended = True
+            # A fetch that used up no batch (that, or a sampler that raised before it drew)
+            # keeps no RNG state either: else a state saved behind a DevicePrefetcher takes
+            # the RNGs one batch late (review 40).
             if logged and self._consumed == drawn and self._rngs_before:
                 self._rngs_before.pop()
             raise
