@@ -7,7 +7,13 @@ Invariants:
   the pipe writable. (A worker writing a large READY frame while the main process wrote a large
   TASK frame to it would otherwise block both for good.)
 - :meth:`Supervisor.wait` returns as soon as a pipe is readable *or* a worker that should be alive
-  has exited (its process sentinel), so a dead worker is noticed at once, not by a periodic poll.
+  has exited, so a dead worker is noticed at once, not by a periodic poll. Exits are watched
+  through a pidfd per worker, which nothing but the exit makes readable: the process sentinel
+  and the pipe are descriptors a process the worker forked keeps open after the worker died
+  (no sentinel, no EOF), and that a worker closing its descriptors closes while it runs on
+  (review 46). The sentinel is the fallback where pidfds are missing (Linux before 5.3), and a
+  wait slice that ends with nothing read looks at every worker. A worker is reaped only once it
+  has exited (never ``join()`` on a readable sentinel: that waits for a live one for good).
   The main process reads the pipes itself (one ``read`` per wake-up, cutting every whole frame
   from a per-worker buffer); frames are ``multiprocessing.connection``'s, as workers send them.
 - Teardown is one method with a fixed order: STOP to every live worker -> join with a timeout ->
@@ -107,6 +113,11 @@ class Supervisor:
         self._closed = False  # the pipes are closed: their descriptor numbers may be reused
         self._poll: select.poll | None = None
         self._fds: dict[int, tuple[int, bool]] = {}  # fd -> (worker id, is its pipe)
+        self._pidfds: list[int | None] = []  # per worker: a pidfd of it (None: unsupported)
+        self._eof: set[int] = set()  # workers whose pipe reached EOF: no longer polled
+        self._deaf: set[int] = set()  # workers whose sentinel fired while they ran on
+        # A forkserver's workers are its children, not ours: it reaps them and sends the code
+        self._own_children = ctx.get_start_method() != "forkserver"
         self._bufs: list[bytearray] = [bytearray() for _ in configs]  # bytes read, not yet cut
         self._wfds: list[int] = []  # the pipes' descriptors (non-blocking)
         self._outbox: list[bytearray] = [bytearray() for _ in configs]  # bytes not yet written
@@ -117,7 +128,7 @@ class Supervisor:
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
         # registered its teardown) are killed and reaped, not left running, and the slots kept
         # for them come back (review 25).
-        on_death(self, _end_unstopped, os.getpid(), self.procs, self._keep)
+        on_death(self, _end_unstopped, os.getpid(), self.procs, self._keep, self._pidfds)
         try:
             forked = ctx.get_start_method() == "fork"
             with afterfork.forking_workers(self._keep):  # each fork keeps what is lent then
@@ -161,6 +172,8 @@ class Supervisor:
                 if proc.pid is not None:
                     self.procs.append(proc)
                     _started.add(proc)
+                    # (a forkserver's workers: their sentinel, which it writes their code to)
+                    self._pidfds.append(_open_pidfd(proc.pid) if self._own_children else None)
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 child.close()
 
@@ -224,7 +237,7 @@ class Supervisor:
                 self._flush(pending[fd])
 
     def _watch_writable(self, worker_id: int, on: bool) -> None:
-        if self._poll is not None and worker_id not in self.retired:
+        if self._poll is not None and worker_id not in self.retired | self._eof:
             events = select.POLLIN | select.POLLOUT if on else select.POLLIN
             self._poll.modify(self._wfds[worker_id], events)
 
@@ -236,17 +249,29 @@ class Supervisor:
             self._poll = None
 
     def deaths(self, gone: Container[int] = ()) -> list[WorkerDeath]:
-        """Workers that should be alive but have exited. ``gone``: workers whose sentinel fired
-        or whose pipe closed; one of them that was reaped elsewhere never gets an exit code."""
+        """Workers that should be alive but have exited. ``gone``: workers whose exit was
+        signalled or whose pipe closed; one of them that was reaped elsewhere never gets an exit
+        code."""
         out = []
         for wid, p in enumerate(self.procs):
             if wid in self.retired:
                 continue
             if p.exitcode is not None:
                 out.append(WorkerDeath(wid, p.pid, p.exitcode))
-            elif wid in gone and _reaped_elsewhere(p.pid):
+            elif wid in gone and self._own_children and _reaped_elsewhere(p.pid):
                 out.append(WorkerDeath(wid, p.pid, None))
         return out
+
+    def _pidfd(self, wid: int) -> int | None:
+        return self._pidfds[wid] if wid < len(self._pidfds) else None
+
+    def _exit_fd(self, wid: int) -> int | None:
+        """What signals worker ``wid``'s exit: its pidfd, else its sentinel (None once that
+        fired while the worker ran on: then only the wait slices' look finds its exit)."""
+        pidfd = self._pidfd(wid)
+        if pidfd is not None:
+            return pidfd
+        return None if wid in self._deaf else int(self.procs[wid].sentinel)
 
     def _poller(self) -> select.poll:
         """One poll set over the pipes and sentinels of the workers being watched, rebuilt only
@@ -254,13 +279,17 @@ class Supervisor:
         if self._poll is None:
             self._poll = select.poll()
             self._fds = {}
-            for wid, (p, c) in enumerate(zip(self.procs, self.conns, strict=True)):
-                if wid not in self.retired:
+            for wid, c in enumerate(self.conns):
+                if wid in self.retired:
+                    continue
+                if wid not in self._eof:
                     out = select.POLLOUT if self._outbox[wid] else 0
                     self._poll.register(c.fileno(), select.POLLIN | out)
-                    self._poll.register(p.sentinel, select.POLLIN)
                     self._fds[c.fileno()] = (wid, True)
-                    self._fds[p.sentinel] = (wid, False)
+                exit_fd = self._exit_fd(wid)
+                if exit_fd is not None:
+                    self._poll.register(exit_fd, select.POLLIN)
+                    self._fds[exit_fd] = (wid, False)
         return self._poll
 
     def wait(self, timeout: float | None) -> list[WorkerDeath]:
@@ -276,6 +305,7 @@ class Supervisor:
         poller = self._poller()
         frames = self.inbox
         gone: set[int] = set()
+        exits: set[int] = set()  # workers whose exit descriptor fired
         ms = None if timeout is None else max(0, int(timeout * 1000))
         self.polling = True
         ready = poller.poll(ms)
@@ -283,7 +313,8 @@ class Supervisor:
         for fd, events in ready:
             wid, is_pipe = self._fds[fd]
             if not is_pipe:
-                gone.add(wid)  # a sentinel: that worker exited
+                gone.add(wid)  # its pidfd (or sentinel): that worker exited
+                exits.add(wid)
                 continue
             if events & select.POLLOUT:
                 self._flush(wid)
@@ -296,20 +327,58 @@ class Supervisor:
             except OSError:
                 data = b""
             if not data:
+                # EOF: it is exiting (its exit, signalled next, gives the code), or it closed
+                # its pipe and runs on, unable to answer: the timeout, or its exit, ends the
+                # wait. Either way the pipe is polled no more (EOF would wake every poll).
                 gone.add(wid)
-                self.procs[wid].join(KILL_S)  # EOF: it is exiting; reap it for its code
+                self._eof.add(wid)
+                self._poll = None
                 continue
             buf = self._bufs[wid]
             buf += data
             for frame in cut_frames(buf):
                 frames.append((wid, frame))
-        return self.deaths(gone) if gone else []
+        if not ready:
+            # A slice with nothing read: look at every worker, for an exit nothing signalled
+            # (no pidfds, and a sentinel another process holds open).
+            return self.deaths(range(len(self.procs)))
+        if not gone:
+            return []
+        dead = self.deaths(gone)
+        for wid in exits - {d.worker_id for d in dead}:
+            if self._own_children and self._pidfd(wid) is None and wid not in self._deaf:
+                # its sentinel fired, yet it runs on (it closed its end): stop polling it
+                self._deaf.add(wid)
+                self._poll = None
+        return dead
 
     def kill(self) -> None:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
         could still finish is wanted. :meth:`shutdown` then only closes the pipes."""
         _kill_and_reap(self.procs)
         self._ended()
+
+    def _wait_exit(self, wid: int, timeout: float) -> None:
+        """Wait up to ``timeout`` for worker ``wid`` to exit, and reap it if it did.
+        ``Process.join(timeout)`` would reap with a blocking ``waitpid`` as soon as the sentinel
+        is readable, which a worker that closed its descriptors makes it while it runs on
+        (review 46): so wait on its pidfd, or look at its sentinel and status in short steps.
+        (A forkserver's sentinel is the forkserver's, which sends the code there.)"""
+        p = self.procs[wid]
+        deadline = time.monotonic() + timeout
+        pidfd = self._pidfd(wid)
+        fd = pidfd if pidfd is not None else int(p.sentinel)
+        sure = pidfd is not None or not self._own_children  # fires only once it exited
+        while p.exitcode is None:
+            if self._own_children and _reaped_elsewhere(p.pid):
+                return  # its code never comes: SIGCHLD ignored, or a handler's wait()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            if poller.poll(int(1000 * left) + 1) and not sure and p.exitcode is None:
+                time.sleep(min(left, 0.01))  # the sentinel of a live worker: look again soon
 
     def _ended(self) -> None:
         """Every worker is ended (exited, or killed: none of its code runs any more): the slots
@@ -344,21 +413,26 @@ class Supervisor:
             if p.exitcode is None:
                 self.send(wid, P.Stop())
         self._flush_all(JOIN_S)
-        for p in self.procs:
-            p.join(JOIN_S)
-        for p in self.procs:
+        deadline = time.monotonic() + JOIN_S
+        for wid in range(len(self.procs)):
+            self._wait_exit(wid, deadline - time.monotonic())
+        for wid, p in enumerate(self.procs):
             if p.exitcode is None:
                 p.terminate()
-                p.join(KILL_S)
+                self._wait_exit(wid, KILL_S)
             if p.exitcode is None:
                 p.kill()
-                p.join(KILL_S)
+                self._wait_exit(wid, KILL_S)
         # Their descriptor numbers may name the user's files from now on: never poll, read or
         # write them again.
         self._closed = True
         self._poll = None
         for c in self.conns:
             c.close()
+        _close_pidfds(self._pidfds)
+        if self._own_children:
+            for p in self.procs:
+                _forget_if_reaped_elsewhere(p)
         # The process objects stay open: the iterator exposes them as torch's ``_workers``
         # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
 
@@ -369,10 +443,40 @@ _CLOSED = (
 )
 
 
-def _end_unstopped(pid: int, procs: list[Any], keep: afterfork.Keep) -> None:
+def _end_unstopped(
+    pid: int, procs: list[Any], keep: afterfork.Keep, pidfds: list[int | None]
+) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs)
         keep.lift()  # (after a teardown that lifted already: a no-op)
+        _close_pidfds(pidfds)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of process ``pid`` (close-on-exec), or None where pidfds are missing (Linux
+    before 5.3) or the process is gone already (then its sentinel tells)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def _close_pidfds(pidfds: list[int | None]) -> None:
+    """Close the pidfds (once: the list is emptied)."""
+    while pidfds:
+        fd = pidfds.pop()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _forget_if_reaped_elsewhere(p: Any) -> None:
+    """With SIGCHLD ignored (or a handler's ``wait()``), a worker's exit code never reaches
+    multiprocessing, which then keeps its process object in its list of children for good,
+    and with it two descriptors (review 46: 4 a 2-worker epoch). Once it is gone, drop it from
+    that list: the descriptors close with the object."""
+    if p.exitcode is None and _reaped_elsewhere(p.pid):
+        multiprocessing.process._children.discard(p)  # type: ignore[attr-defined]
 
 
 def _kill_and_reap(procs: list[Any]) -> None:

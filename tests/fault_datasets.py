@@ -146,6 +146,59 @@ class TwoGates(Dataset):
         return torch.full((4,), float(i))
 
 
+class ForksAHelperThenGated(Gated):
+    """:class:`Gated`, whose worker first forks a helper process at the gated index, as a
+    library that forks without exec does. The helper keeps every descriptor it inherited (the
+    worker's pipe to the main process, the write end of its process sentinel), writes its pid
+    to ``helper``, and exits once ``release`` is readable (or after :data:`GATE_WAIT_S`)."""
+
+    def __init__(self, n: int, gate_index: int, gate: Gate) -> None:
+        super().__init__(n, gate_index, gate)
+        self.helper_r, self.helper_w = os.pipe()
+        self.release_r, self.release_w = os.pipe()
+        fds = (self.helper_r, self.helper_w, self.release_r, self.release_w)
+        weakref.finalize(self, _close_all, fds)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.gate_index and os.fork() == 0:
+            try:
+                os.write(self.helper_w, struct.pack("<i", os.getpid()))
+                select.select([self.release_r], [], [], GATE_WAIT_S)
+            finally:
+                os._exit(0)
+        return super().__getitem__(i)
+
+    def helper_pid(self, timeout: float = 30.0) -> int:
+        ready, _, _ = select.select([self.helper_r], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"no helper started within {timeout} s")
+        (pid,) = struct.unpack("<i", os.read(self.helper_r, 4))
+        return int(pid)
+
+    def release(self) -> None:
+        os.write(self.release_w, b"r")
+
+
+class ClosesItsDescriptors(Dataset):
+    """Sample i: a float32 vector of four values i. The worker loading ``index`` closes every
+    descriptor past stderr (its pipe to the main process, its process sentinel's write end)
+    and runs on without answering, for up to :data:`GATE_WAIT_S` (the loader's teardown ends
+    it first)."""
+
+    def __init__(self, n: int, index: int) -> None:
+        self.n = n
+        self.index = index
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.index:
+            os.closerange(3, 4096)
+            threading.Event().wait(GATE_WAIT_S)  # a worker that hangs, deaf to its pipe
+        return torch.full((4,), float(i))
+
+
 class Images(Dataset):
     """Sample i: a 3x512x512 uint8 image filled with i % 251 (a 25 MB batch at batch size 32)."""
 

@@ -44,6 +44,8 @@ import torch
 import shmloader
 from arena import ArenaCapacityError
 from tests.fault_datasets import (
+    ClosesItsDescriptors,
+    ForksAHelperThenGated,
     Gate,
     Gated,
     Ramp,
@@ -277,6 +279,77 @@ def test_a_worker_reaped_by_someone_else_is_still_raised_within_a_second(sigchld
     finally:
         signal.signal(signal.SIGCHLD, before)
     assert gone_within(pids, WAIT_S) == []
+
+
+@pytest.mark.parametrize(
+    "sigchld", [signal.SIG_IGN, _reap_every_child], ids=["SIG_IGN", "a-handler-that-reaps"]
+)
+def test_workers_reaped_by_someone_else_leave_no_process_object_or_descriptor_behind(sigchld):
+    # Review 46: multiprocessing never gets such a worker's exit code, so it kept each one's
+    # process object in its list of children for good, with two descriptors: 4 an epoch of 2
+    # workers, until the process ran out of descriptors.
+    fds = len(os.listdir("/proc/self/fd"))
+    children = set(multiprocessing.process._children)  # type: ignore[attr-defined]
+    before = signal.signal(signal.SIGCHLD, sigchld)
+    try:
+        loader = shmloader.DataLoader(Ramp(8), batch_size=2, num_workers=2)
+        for _ in range(5):
+            assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
+        pids = set(loader.stats().worker_pids)
+        del loader
+        gc.collect()
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+    left = set(multiprocessing.process._children) - children  # type: ignore[attr-defined]
+    assert not left, f"process objects of ended workers kept: {[p.pid for p in left]} ({pids})"
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_worker_killed_while_a_process_it_forked_runs_on_is_raised_within_a_second(reaper):
+    # Review 46: the helper holds the dead worker's pipe and the write end of its sentinel, so
+    # neither told its death; the loader waited out its timeout (or, without one, for good).
+    gate = Gate()
+    data = ForksAHelperThenGated(N, GATED, gate)
+    loader = shmloader.DataLoader(data, batch_size=1, num_workers=2, timeout=WAIT_S)
+    it = iter(loader)
+    assert [int(next(it)[0, 0]) for _ in range(GATED)] == list(range(GATED))
+    victim = loader.stats().worker_pids[GATED % 2]
+    helper = 0
+
+    def fault() -> float:
+        nonlocal helper
+        helper = data.helper_pid()
+        assert gate.wait_reached() == victim
+        at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        return at
+
+    try:
+        error, seconds = next_during(it, fault)
+    finally:
+        data.release()
+    assert re.search(rf"DataLoader worker \(pid {victim}\) is killed by signal: Killed", str(error))
+    assert seconds < DEADLINE_S
+    del it, loader
+    assert gone_within([helper], WAIT_S) == []  # (this process reaps it: the reaper fixture)
+
+
+def test_a_worker_that_closes_its_descriptors_and_runs_on_times_out_as_set():
+    # Review 46: at the EOF of its pipe the loader reaped it with Process.join, whose blocking
+    # waitpid (its sentinel was readable: the worker closed it) waited for the worker's exit,
+    # past the loader's timeout; its teardown waited so too.
+    loader = shmloader.DataLoader(
+        ClosesItsDescriptors(N, GATED), batch_size=1, num_workers=2, timeout=2
+    )
+    it = iter(loader)
+    assert [int(next(it)[0, 0]) for _ in range(GATED)] == list(range(GATED))
+    pids = list(loader.stats().worker_pids)
+    with pytest.raises(RuntimeError) as err:
+        next(it)
+    assert str(err.value) == "DataLoader timed out after 2 seconds"
+    del it, err
+    gc.collect()
+    assert gone_within(pids, WAIT_S) == []  # the teardown ended the deaf worker
 
 
 def test_a_dead_worker_is_raised_within_a_second_while_another_worker_is_busy():

@@ -740,14 +740,16 @@ def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
     interrupt_once: Any,
 ) -> None:
     """Review 26: iter() interrupted while forking its second worker, its teardown interrupted
-    in the join, and the kill interrupted before the first worker's: the teardown let the slots
-    kept for the workers go while the first one ran on. They go only once it is ended (here by
-    the finalizer of the supervisor the traceback kept)."""
+    in its wait for a worker's exit, and the kill interrupted before the first worker's: the
+    teardown let the slots kept for the workers go while the first one ran on. They go only
+    once it is ended (here by the finalizer of the supervisor the traceback kept)."""
     a = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     held = [next(iter(a))]
     b = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     interrupt_once(multiprocessing.process.BaseProcess, "start", 2)
-    interrupt_once(multiprocessing.process.BaseProcess, "join", 1)
+    # the teardown's wait for the first worker's exit (Supervisor._wait_exit, which replaced
+    # Process.join there: join blocks for good on a worker that closed its sentinel, review 46)
+    interrupt_once(Supervisor, "_wait_exit", 1)
     interrupt_once(multiprocessing.process.BaseProcess, "kill", 1)
     with pytest.raises(KeyboardInterrupt) as kept_traceback:
         iter(b)
