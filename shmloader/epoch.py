@@ -43,6 +43,7 @@ import torch
 
 from arena.finalizers import on_death
 from shmloader import protocol as P
+from shmloader import rngstate
 from shmloader.dispatch import Dispatch
 from shmloader.ending import Ending
 from shmloader.host import ArenaHost
@@ -169,12 +170,17 @@ class ShmDataLoaderIter(NextBatch):
     # -- resume state ---------------------------------------------------------------------------
 
     @one_thread("state_dict()")
-    def resume_state(self, behind: int = 0) -> dict[str, Any]:
-        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as
-        of ``behind`` batches ago: those a consumer took and has not handed out yet (a
-        ``DevicePrefetcher``), which a resumed loader produces again."""
+    def resume_state(self) -> dict[str, Any] | None:
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), with
+        the main process's RNGs (``main_rng``), as of before the batches a consumer took and has
+        not handed out yet (``ahead``: a ``DevicePrefetcher``), which a resumed loader produces
+        again; None once the epoch is over and the workers are not kept (the loader records
+        that). Decided under the iterator's lock: a ``next()`` in another thread ends the epoch
+        either before or after it, never in between."""
+        d, behind = self._dispatch, self.ahead
+        if self._ended and not behind and not self.end_unseen and not self._persistent_workers:
+            return None
         self._check_usable()
-        d = self._dispatch
         try:
             while d.orphans:  # an abandoned epoch's tasks: the RNG state needed is after them
                 self._receive()
@@ -191,6 +197,7 @@ class ShmDataLoaderIter(NextBatch):
                 "epoch_start": None,
                 "workers": self._progress.rng_states(d.exhausted, d.epoch),
                 "replicas": None,
+                "main_rng": rngstate.capture(),
             }
         yielded, extra = self._at.record(d.in_order, behind)
         progress, back = self._progress.behind(behind)
@@ -205,7 +212,7 @@ class ShmDataLoaderIter(NextBatch):
                 f"then are gone from their ring of {progress.ring.depth}; make the "
                 "DevicePrefetcher before the loader's first iter()"
             ) from e
-        body: dict[str, Any] = {
+        return {
             "epoch": self.epoch_no,
             "in_epoch": True,
             "yielded": yielded,
@@ -214,10 +221,12 @@ class ShmDataLoaderIter(NextBatch):
             "epoch_start": self.epoch_start.as_dict(),
             "workers": workers,
             "replicas": progress.replica_record(*d.assignment(back)),
+            # with batches behind, the sampler's later draws start where they did before the
+            # first of them
+            "main_rng": (
+                last_logged(self._rngs_before, behind)[0] if behind else rngstate.capture()
+            ),
         }
-        if behind:  # the sampler's later draws start where they did before the first of them
-            body["main_rng"] = last_logged(self._rngs_before, behind)[0]
-        return body
 
     def rewindable(self, batches: int) -> None:
         """Keep what the last consumed batches changed (at least ``batches``), so that

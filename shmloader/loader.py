@@ -17,9 +17,11 @@ Extra keyword-only arguments (validated once, by :func:`shmloader.options.arena_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, SupportsIndex, TypeVar
 
 import torch.utils.data
@@ -76,6 +78,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
+        # iter(), state_dict() and load_state_dict(), one thread at a time (_one_at_a_time)
+        self._state_lock = threading.RLock()
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -120,60 +124,85 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return None
         return it
 
+    @contextlib.contextmanager
+    def _one_at_a_time(self, what: str) -> Iterator[None]:
+        """Run ``iter()``, ``state_dict()`` or ``load_state_dict()`` alone: a checkpoint thread's
+        ``state_dict()`` waits while the training thread is inside ``iter()`` (the epoch is
+        counted, the plan taken and the iterator made there, one after the other), as an
+        iterator's ``state_dict()`` part waits while ``next()`` runs (review 45). Called again
+        on a thread already inside one of them (from a sampler, a dataset's ``__len__``, a
+        signal handler), it raises instead of reading a half-made change or waiting for
+        itself. The wait has no timeout of its own: ``iter()`` ends with its workers started
+        or with an error (each step of that has its own), as ``next()`` ends with a batch, an
+        error or the loader's ``timeout``."""
+        lock = self._state_lock
+        if lock._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError(
+                f"{what} was called from inside this DataLoader's own iter(), state_dict() or "
+                "load_state_dict() on the same thread (from the sampler, the dataset's "
+                "__len__, a signal handler or a __del__?), where the loader is half-way "
+                "through a change. Call it between steps, from the training loop or another "
+                "thread."
+            )
+        with lock:
+            yield
+
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: load it into a fresh loader (``load_state_dict``) to get the
         batches an uninterrupted run yields next. Small, picklable, ``torch.save``-able; see
-        :mod:`shmloader.state` for its fields."""
-        it = self._current()
-        # Batches a DevicePrefetcher holds unseen, and whether it found the epoch's end ahead
-        ahead = it.ahead if it is not None else 0
-        unseen_end = it is not None and it.end_unseen
-        if self._plan is not None:
-            body = {k: self._plan[k] for k in S.ITER_KEYS}
-        elif it is None or (
-            it._ended and not self.persistent_workers and not ahead and not unseen_end
-        ):
-            body = {
-                "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
-                "yielded_extra": [], "base_seed": None, "epoch_start": None, "workers": [],
-                "replicas": None,
-            }  # fmt: skip
-        else:
-            body = it.resume_state(ahead)
-        if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
-            body["epoch_start"] = S.EpochStart.capture(self).as_dict()
-        main_rng = body.pop("main_rng", None)  # num_workers=0 behind a DevicePrefetcher
-        return {
-            "format": S.FORMAT,
-            "version": S.VERSION,
-            "fingerprint": S.fingerprint(self),
-            **body,
-            "main_rng": rngstate.capture() if main_rng is None else main_rng,
-        }
+        :mod:`shmloader.state` for its fields. Any thread may call it while another iterates:
+        it waits for the ``iter()`` or ``next()`` under way, and describes the loader as that
+        call left it."""
+        with self._one_at_a_time("state_dict()"):
+            it = self._current()
+            if self._plan is not None:
+                body: dict[str, Any] | None = {k: self._plan[k] for k in S.ITER_KEYS}
+            else:
+                # The iterator decides under its own lock whether its epoch is over (a next()
+                # in another thread may end it meanwhile), and takes the main process's RNGs
+                # there too, so that no sampler draw or fetch falls between the two.
+                body = it.resume_state() if it is not None else None
+            if body is None:  # no iterator, or one whose epoch ended (not persistent)
+                body = {
+                    "epoch": self._epochs_started, "in_epoch": False, "yielded": 0,
+                    "yielded_extra": [], "base_seed": None, "epoch_start": None,
+                    "workers": [], "replicas": None,
+                }  # fmt: skip
+            if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
+                body["epoch_start"] = S.EpochStart.capture(self).as_dict()
+            main_rng = body.pop("main_rng", None)
+            return {
+                "format": S.FORMAT,
+                "version": S.VERSION,
+                "fingerprint": S.fingerprint(self),
+                **body,
+                "main_rng": rngstate.capture() if main_rng is None else main_rng,
+            }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict()`` of a loader built the same way (any process): the next
         ``iter()`` yields what the saved loader would have yielded next. Also sets this process's
         global torch, ``random`` and NumPy RNGs to their state at ``state_dict()``."""
-        it = self._current()
-        # An iterator that failed (a worker died; its state_dict() says why) is replaced by the
-        # next iter() anyway: loading the last good state into its loader is the way back.
-        if it is not None and not it._ended and getattr(it, "failure", None) is None:
-            raise RuntimeError(
-                "load_state_dict() called while this DataLoader is being iterated (an iterator "
-                "of it is mid-epoch): load the state before iterating, into a fresh DataLoader"
-            )
-        sd = S.check(self, state_dict)
-        # An idle persistent iterator is let go before its workers stop: an interruption
-        # between the two must not leave the loader reusing an iterator whose pipes are closed.
-        old, self._iterator, self._live = self._iterator, None, None
-        if isinstance(old, ShmDataLoaderIter):
-            old._shutdown_workers()
-        if not sd["in_epoch"]:
-            S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
-        rngstate.restore(sd["main_rng"])
-        self._epochs_started = sd["epoch"]
-        self._plan = sd if (sd["in_epoch"] or sd["base_seed"] is not None) else None
+        with self._one_at_a_time("load_state_dict()"):
+            it = self._current()
+            # An iterator that failed (a worker died; its state_dict() says why) is replaced by the
+            # next iter() anyway: loading the last good state into its loader is the way back.
+            if it is not None and not it._ended and getattr(it, "failure", None) is None:
+                raise RuntimeError(
+                    "load_state_dict() called while this DataLoader is being iterated (an iterator "
+                    "of it is mid-epoch): load the state before iterating, into a fresh DataLoader"
+                )
+            sd = S.check(self, state_dict)
+            # An idle persistent iterator is let go before its workers stop: an interruption
+            # between the two must not leave the loader reusing an iterator whose pipes are closed.
+            old, self._iterator, self._live = self._iterator, None, None
+            if isinstance(old, ShmDataLoaderIter):
+                old._shutdown_workers()
+            if not sd["in_epoch"]:
+                S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
+            rngstate.restore(sd["main_rng"])
+            self._epochs_started = sd["epoch"]
+            self._plan = sd if (sd["in_epoch"] or sd["base_seed"] is not None) else None
 
     def _host_for(self, pin: bool, pin_device: str | None) -> ArenaHost:
         """This loader's arena in this process: made on first use, and made anew in a process
@@ -237,14 +266,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                                             self._default_slots_per_slab())
 
     def __iter__(self) -> Any:
-        # A persistent iterator whose workers died or were stopped, or one inherited through
-        # fork() (its workers are the parent's), is replaced instead of reset.
-        it = self._iterator
-        if isinstance(it, ShmDataLoaderIter) and (
-            it.failure is not None or not it.here or it._sup.stopped
-        ):
-            self._iterator = None
-        return super().__iter__()
+        with self._one_at_a_time("iter()"):
+            # A persistent iterator whose workers died or were stopped, or one inherited
+            # through fork() (its workers are the parent's), is replaced instead of reset.
+            it = self._iterator
+            if isinstance(it, ShmDataLoaderIter) and (
+                it.failure is not None or not it.here or it._sup.stopped
+            ):
+                self._iterator = None
+            return super().__iter__()
 
     def __getstate__(self) -> dict[str, Any]:
         # A loader pickled into another process takes no arena, iterator or workers along.
@@ -252,7 +282,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state["_host"] = None
         state["_iterator"] = None
         state["_live"] = None
+        del state["_state_lock"]  # a lock does not pickle: the copy makes its own
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._state_lock = threading.RLock()
 
     def stats(self) -> LoaderStats:
         """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids

@@ -14,6 +14,7 @@ already consumed are fetched again and dropped, with the global RNGs put back af
 from __future__ import annotations
 
 import copy
+import threading
 from collections import deque
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from shmloader import rngstate
 from shmloader._torch_compat import ITERABLE_KIND
+from shmloader.onethread import one_thread
 from shmloader.progress import last_logged
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
 
@@ -29,6 +31,10 @@ _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoa
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
+        # next() and state_dict() one thread at a time: a checkpoint thread's state waits for
+        # the fetch under way (the sampler draws and the dataset's global RNG draws of a batch
+        # are either all in the state or none of them; review 45)
+        self._lock = threading.RLock()
         self._consumed = 0
         self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
         self.end_unseen = False  # ... and whether it found the epoch's end ahead of its user
@@ -107,6 +113,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._consumed += 1
         return index
 
+    def _busy_here(self) -> bool:
+        return False  # no lower locks: one_thread's re-entrance test is the lock's own
+
+    @one_thread("next()")
     def _next_data(self) -> Any:
         log = self._rngs_before
         logged = log is not None
@@ -137,16 +147,17 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         maybe the epoch's end."""
         self.ahead, self.end_unseen = batches, end_unseen
 
-    def resume_state(self, behind: int = 0) -> dict[str, Any]:
-        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as
-        of ``behind`` batches ago: those a consumer took and has not handed out yet (a
-        ``DevicePrefetcher``), which a resumed loader fetches again, from the global RNGs as
-        they were before the first of them (``main_rng``). (An ended epoch with none behind is
-        recorded by the loader.)"""
-        body: dict[str, Any] = {}
-        if behind:
-            body["main_rng"] = last_logged(self._rngs_before, behind)[0]
-        return body | {
+    @one_thread("state_dict()")
+    def resume_state(self) -> dict[str, Any] | None:
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), with
+        the global RNGs (``main_rng``), as of before the batches a consumer took and has not
+        handed out yet (``ahead``: a ``DevicePrefetcher``), which a resumed loader fetches
+        again, from the global RNGs as they were before the first of them; None once the epoch
+        is over with none behind (the loader records that)."""
+        behind = self.ahead
+        if self._ended and not behind and not self.end_unseen:
+            return None
+        return {
             "epoch": self.epoch_no,
             "in_epoch": True,
             "yielded": self._consumed - behind,
@@ -155,6 +166,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             "epoch_start": self.epoch_start.as_dict(),
             "workers": [],
             "replicas": self._replicas(behind),
+            "main_rng": (
+                last_logged(self._rngs_before, behind)[0] if behind else rngstate.capture()
+            ),
         }
 
     def rewindable(self, batches: int) -> None:
