@@ -302,8 +302,16 @@ class Dispatch:
     def _pick_worker(self) -> int | None:
         """torch's choice: the next live worker in round-robin order (below its share of tasks
         when not in order)."""
-        if self._forced:
-            return self._forced.popleft()
+        while self._forced:
+            # The saved run sent each to a worker live then. Decided later here (a smaller
+            # prefetch_factor), one may find its worker's replica ended already: the saved
+            # run's worker skipped it, yielding nothing, so it is passed over, and the next one
+            # (or the round robin that followed them) takes this index. The batches come in the
+            # saved run's order: only tasks that yield nothing are left out (review 45: sent
+            # anyway, a persistent worker whose replica had ended never ran to its end).
+            wid = self._forced.popleft()
+            if self.status[wid]:
+                return wid
         n = self.num_workers
         for _ in range(n):
             wid = self._next_worker
@@ -625,7 +633,13 @@ class Dispatch:
 
     def _slots_coming_back(self) -> bool:
         """Whether slots will come back without the user: later batches being written (spilled
-        once finished), or batches of an abandoned epoch (freed when their workers answer)."""
+        once finished), or batches of an abandoned epoch (freed when their workers answer).
+
+        This iterator's own only. A batch another live iterator's worker is writing frees
+        nothing this iterator can see: its READY is read by that iterator's ``next()``, so
+        waiting for it here would hang a program that alternates the two iterators in one
+        thread. The batch needed next raises instead (naming the other iterator's slots), and
+        a later ``next()`` tries again (review 44)."""
         return any(
             i.ref is not None and i.answer is None and self.status[i.worker_id]
             for i in self.tasks

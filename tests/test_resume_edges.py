@@ -40,6 +40,7 @@ from tests.resume_items import (
     own_rngs,
     resumed_run,
     roundtrip,
+    saving_run,
     seed_all,
     uninterrupted_and_resumed,
 )
@@ -816,3 +817,54 @@ def test_a_stateful_dataset_without_workers_behind_a_device_prefetcher_says_why(
     next(batches)
     with pytest.raises(RuntimeError, match=r"DevicePrefetcher holds 2 batches.*num_workers=0"):
         loader.state_dict()
+
+
+# -- a replica that ran out, resumed with another prefetch_factor (review 45) -------------------
+
+
+class UnevenStream(IterableDataset):  # type: ignore[type-arg]
+    """Worker 0's replica: 0, 2, ..., 22 (three batches of 4); worker 1's: 1, 3, 5, 7, 9 (one of
+    4 and one of 1). Its place is its state; a pass that ends goes back to the start."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+    def __iter__(self) -> Iterator[int]:
+        wid, _ = _worker()
+        items = list(range(wid, 23 if wid == 0 else 11, 2))
+        while self.pos < len(items):
+            self.pos += 1
+            yield items[self.pos - 1]
+        self.pos = 0
+
+
+def test_tasks_of_an_ended_replica_in_flight_resume_with_any_prefetch_factor() -> None:
+    """The state keeps the workers of the tasks in flight, for the resume to hand them out in
+    the saved run's order. Saved with 4 in flight (prefetch_factor=2), all on worker 1, whose
+    replica had run out, and resumed with prefetch_factor=1, the later ones were decided after
+    worker 1 said so and went to it anyway: worker 0 never got the task that ends its pass, and
+    the next epoch lost its batches (prefetch_factor is not in the state: a resume may change
+    it, as it changes only memory and timing)."""
+
+    def make(prefetch: int) -> DataLoader[Any]:
+        return DataLoader(UnevenStream(), batch_size=4, num_workers=2, persistent_workers=True,
+                          prefetch_factor=prefetch, timeout=TIMEOUT)  # fmt: skip
+
+    save_after = 5  # every batch of epoch 0 consumed, its end not yet seen
+    for _ in range(8):  # which tasks are in flight then depends on timing: look for 4 on worker 1
+        seed_all(0)
+        full, state = saving_run(make(2), 2, save_after)
+        if state["replicas"]["assign"] == [1, 1, 1, 1]:
+            break
+    assert full[save_after:] == [("B", batch_bytes(torch.tensor(b))) for b in (
+        [0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9], [16, 18, 20, 22])]  # fmt: skip
+    for prefetch in (1, 2, 3):
+        resumed = resumed_run(lambda p=prefetch: make(p), state, 2)  # type: ignore[misc]
+        assert resumed == full[save_after:], (prefetch, state["replicas"])
+
