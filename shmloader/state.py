@@ -166,11 +166,25 @@ def check(loader: Any, sd: Any) -> dict[str, Any]:
             f"corrupted DataLoader state: {sd['yielded']} batches consumed (and positions "
             f"{sd['yielded_extra']} past them) in an epoch of {n} batches"
         )
+    if sd["yielded_extra"] and loader.in_order:
+        raise ValueError(
+            f"corrupted DataLoader state: positions {sd['yielded_extra']} consumed past the "
+            "first 'yielded', which only an in_order=False loader records"
+        )
     rep = sd["replicas"]
-    if rep is not None and len(rep["workers"]) != max(loader.num_workers, 1):
+    nw = max(loader.num_workers, 1)
+    if rep is not None and len(rep["workers"]) != nw:
         raise ValueError(
             f"corrupted DataLoader state: {len(rep['workers'])} IterableDataset replicas for "
             f"num_workers={loader.num_workers}"
+        )
+    if rep is not None and not (
+        all(0 <= w < nw for w in rep["assign"]) and 0 <= rep["next_worker"] < nw
+    ):
+        raise ValueError(
+            f"corrupted DataLoader state: IterableDataset tasks assigned to workers "
+            f"{rep['assign']}, next worker {rep['next_worker']}, with num_workers="
+            f"{loader.num_workers}"
         )
     # Now, not at the first iter(): by then load_state_dict() has set the global RNGs.
     es = sd["epoch_start"]
@@ -197,8 +211,10 @@ def _check_types(sd: dict[str, Any]) -> None:
         raise bad("in_epoch", "a bool")
     if not isinstance(sd["fingerprint"], dict):
         raise bad("fingerprint", "a dict")
-    if sd["base_seed"] is not None and type(sd["base_seed"]) is not int:
-        raise bad("base_seed", "an int or None")
+    if sd["base_seed"] is not None and (
+        type(sd["base_seed"]) is not int or not 0 <= sd["base_seed"] < 1 << 63
+    ):  # torch draws it as a non-negative int64 (a larger one killed the workers: review 45)
+        raise bad("base_seed", "an int in [0, 2**63) or None")
     if not isinstance(sd["yielded_extra"], list) or any(
         type(p) is not int or p <= sd["yielded"] for p in sd["yielded_extra"]
     ):
@@ -209,7 +225,10 @@ def _check_types(sd: dict[str, Any]) -> None:
     if rep is not None and not (
         isinstance(rep, dict)
         and isinstance(rep.get("workers"), list)
-        and all(isinstance(w, dict) and type(w.get("batches")) is int for w in rep["workers"])
+        and all(
+            isinstance(w, dict) and type(w.get("batches")) is int and w["batches"] >= 0
+            for w in rep["workers"]
+        )
         and all(
             w.get("epoch_rng") is None
             or (type(w["epoch_rng"]) is bytes and len(w["epoch_rng"]) == SNAPSHOT)
@@ -217,6 +236,7 @@ def _check_types(sd: dict[str, Any]) -> None:
         )
         and all(type(w.get("ended", False)) is bool for w in rep["workers"])
         and isinstance(rep.get("assign"), list)
+        and all(type(w) is int for w in rep["assign"])
         and type(rep.get("next_worker")) is int
     ):
         raise bad(

@@ -201,6 +201,16 @@ def test_a_state_of_other_rngs_is_refused_before_the_global_rngs_change(
         lambda sd: {**sd, "replicas": {"workers": "x"}},
         lambda sd: {**sd, "replicas": {"workers": [{"batches": 1}] * 3, "assign": [],
                                        "next_worker": 0}},
+        # review 45: each was accepted, then failed at iter() or later
+        lambda sd: {**sd, "replicas": {"workers": [{"batches": 1}], "assign": [7],
+                                       "next_worker": 0}},
+        lambda sd: {**sd, "replicas": {"workers": [{"batches": 1}], "assign": [],
+                                       "next_worker": -1}},
+        lambda sd: {**sd, "replicas": {"workers": [{"batches": -2}], "assign": [],
+                                       "next_worker": 0}},
+        lambda sd: {**sd, "base_seed": 1 << 80},
+        lambda sd: {**sd, "base_seed": -1},
+        lambda sd: {**sd, "yielded": 1, "yielded_extra": [3]},  # (an in_order=True loader)
     ],
 )
 def test_a_corrupted_state_is_refused(corrupt: Any) -> None:
