@@ -15,16 +15,14 @@ only after. The second lets a thread take states as fast as it can and resumes e
 
 from __future__ import annotations
 
-import random
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
 from shmloader import DataLoader
 from tests.lifetime_checks import frees_its_loaders_on_failure
@@ -38,26 +36,14 @@ from tests.resume_items import (
     roundtrip,
     seed_all,
 )
+from tests.test_resume_edges import Augment, N  # items that draw from all three global RNGs
 
 __all__ = ["own_rngs"]  # the autouse fixture, imported to apply here
 
-N, BATCH, EPOCHS = 24, 4, 3
+BATCH, EPOCHS = 4, 3
 PER_EPOCH = N // BATCH
 HOLD_S = 0.5  # how long the training thread stays inside its step for the checkpoint thread
 WAIT_S = 30.0  # bound on every other wait
-
-
-class Augment(Dataset):  # type: ignore[type-arg]
-    """Each item draws from torch, ``random`` and NumPy, as augmentations do."""
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor(
-            [float(i), torch.rand(()).item(), random.random(), float(np.random.rand())],
-            dtype=torch.float64,
-        )
 
 
 class Meeting:
