@@ -70,11 +70,7 @@ class Gate:
 
     def wait_reached(self, timeout: float = 30.0) -> int:
         """The pid of the next worker to reach the gate, once one is there."""
-        ready, _, _ = select.select([self._reached_r], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"no worker reached the gate within {timeout} s")
-        (pid,) = struct.unpack("<i", os.read(self._reached_r, 4))
-        return int(pid)
+        return _read_pid(self._reached_r, timeout, "no worker reached the gate")
 
     def open(self) -> None:
         """Let the waiting worker (and every later one) through."""
@@ -83,6 +79,15 @@ class Gate:
     def exit_worker(self) -> None:
         """Make the waiting worker exit with ``exit_code``."""
         os.write(self._die_w, b"x")
+
+
+def _read_pid(fd: int, timeout: float, none: str) -> int:
+    """A pid another process writes to pipe ``fd``, waited for up to ``timeout`` seconds."""
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"{none} within {timeout} s")
+    (pid,) = struct.unpack("<i", os.read(fd, 4))
+    return int(pid)
 
 
 def _close_all(fds: tuple[int, ...]) -> None:
@@ -169,11 +174,7 @@ class ForksAHelperThenGated(Gated):
         return super().__getitem__(i)
 
     def helper_pid(self, timeout: float = 30.0) -> int:
-        ready, _, _ = select.select([self.helper_r], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"no helper started within {timeout} s")
-        (pid,) = struct.unpack("<i", os.read(self.helper_r, 4))
-        return int(pid)
+        return _read_pid(self.helper_r, timeout, "no helper started")
 
     def release(self) -> None:
         os.write(self.release_w, b"r")
