@@ -449,7 +449,7 @@ def _end_unstopped(
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs)
         keep.lift()  # (after a teardown that lifted already: a no-op)
-        _close_pidfds(pidfds)
+    _close_pidfds(pidfds)  # (a forked child closes its copies)
 
 
 def _open_pidfd(pid: int) -> int | None:
