@@ -48,7 +48,7 @@ from shmloader.dispatch import Dispatch
 from shmloader.ending import Ending
 from shmloader.host import ArenaHost
 from shmloader.nextbatch import NextBatch
-from shmloader.onethread import one_thread
+from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import SamplerProgress, last_logged
 from shmloader.sampling import fast_batches
 from shmloader.startup import start_workers
@@ -83,6 +83,7 @@ class ShmDataLoaderIter(NextBatch):
         self._plan = plan
         self._ended = False
         self._lock = threading.RLock()  # one thread at a time in the iterator (see invariants)
+        reset_after_fork(self)
         self._host = host = host_for(self._pin_memory, self._pin_memory_device)
         self._leases = host.leases
         self._pid = os.getpid()

@@ -32,6 +32,7 @@ from shmloader import rngstate
 from shmloader import state as S
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
+from shmloader.onethread import inside, reentered, reset_after_fork
 from shmloader.options import arena_options
 from shmloader.single import SingleProcessIter
 from shmloader.stats import LoaderStats, dist_rank, no_arena
@@ -80,6 +81,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._consumer_holds = 1  # batches the consumer keeps at once (_consumer_will_hold)
         # iter(), state_dict() and load_state_dict(), one thread at a time (_one_at_a_time)
         self._state_lock = threading.RLock()
+        reset_after_fork(self)
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -130,20 +132,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         ``state_dict()`` waits while the training thread is inside ``iter()`` (the epoch is
         counted, the plan taken and the iterator made there, one after the other), as an
         iterator's ``state_dict()`` part waits while ``next()`` runs (review 45). Called again
-        on a thread already inside one of them (from a sampler, a dataset's ``__len__``, a
-        signal handler), it raises instead of reading a half-made change or waiting for
-        itself. The wait has no timeout of its own: ``iter()`` ends with its workers started
-        or with an error (each step of that has its own), as ``next()`` ends with a batch, an
-        error or the loader's ``timeout``."""
+        on a thread already inside one of them, or inside the iterator's ``next()`` (from a
+        sampler, a dataset's ``__len__``, a signal handler), it raises instead of reading a
+        half-made change, waiting for itself, or waiting for a checkpoint thread that holds
+        this lock and waits for the iterator's (review 47). The wait has no timeout of its
+        own: ``iter()`` ends with its workers started or with an error (each step of that has
+        its own), as ``next()`` ends with a batch, an error or the loader's ``timeout``."""
         lock = self._state_lock
-        if lock._is_owned():  # type: ignore[attr-defined]
-            raise RuntimeError(
-                f"{what} was called from inside this DataLoader's own iter(), state_dict() or "
-                "load_state_dict() on the same thread (from the sampler, the dataset's "
-                "__len__, a signal handler or a __del__?), where the loader is half-way "
-                "through a change. Call it between steps, from the training loop or another "
-                "thread."
-            )
+        it = self._current()
+        if lock._is_owned() or (it is not None and inside(it)):  # type: ignore[attr-defined]
+            raise reentered(what)
         with lock:
             yield
 
@@ -288,6 +286,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._state_lock = threading.RLock()
+        reset_after_fork(self)
 
     def stats(self) -> LoaderStats:
         """Arena bytes and slots by state, batches held by the user, pinned bytes, worker pids

@@ -9,15 +9,36 @@ object's lower locks (``self._busy_here()``: the lease and arena locks, which ar
 after the iterator's), from a signal handler or a ``__del__`` run by the garbage collector,
 raises ``RuntimeError`` naming the fix, instead of running on half-changed state, waiting for
 itself, or waiting for a thread that waits for a lock it holds.
+
+A process forked while another thread holds one of these locks (a checkpoint thread inside
+``state_dict()``) would find it held for good: the owners registered with
+:func:`reset_after_fork` have their ``_lock`` and ``_state_lock`` made free again in the child,
+unless the forking thread itself holds them (it goes on, and releases them, in the child).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reentered(what: str) -> RuntimeError:
+    """The error of ``what`` called on a thread already inside the loader's own steps."""
+    return RuntimeError(
+        f"{what} was called from inside this DataLoader iterator's own next(), iter() or "
+        "state_dict() on the same thread (from a signal handler or a __del__?), where the "
+        "iterator is half-way through a change. Set a flag there and call it between steps."
+    )
+
+
+def inside(obj: Any) -> bool:
+    """Whether this thread is inside one of ``obj``'s decorated methods (or its lower locks)."""
+    return bool(obj._lock._is_owned() or obj._busy_here())
 
 
 def one_thread(what: str) -> Callable[[F], F]:
@@ -27,17 +48,31 @@ def one_thread(what: str) -> Callable[[F], F]:
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-            lock = self._lock
-            if lock._is_owned() or self._busy_here():
-                raise RuntimeError(
-                    f"{what} was called from inside this DataLoader iterator's own next(), "
-                    "iter() or state_dict() on the same thread (from a signal handler or a "
-                    "__del__?), where the iterator is half-way through a change. Set a flag "
-                    "there and call it between steps."
-                )
-            with lock:
+            if inside(self):
+                raise reentered(what)
+            with self._lock:
                 return method(self, *args, **kwargs)
 
         return locked  # type: ignore[return-value]
 
     return wrap
+
+
+_resettable: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def reset_after_fork(owner: Any) -> None:
+    """Have a forked child free ``owner``'s ``_lock`` and ``_state_lock`` that another thread
+    of the parent held at the fork (review 47: ``iter(loader)`` in a child hung for good)."""
+    _resettable.add(owner)
+
+
+def _free_inherited_locks() -> None:
+    for owner in list(_resettable):
+        for name in ("_lock", "_state_lock"):
+            lock = getattr(owner, name, None)
+            if lock is not None and not lock._is_owned():  # (the forking thread's: kept)
+                lock._at_fork_reinit()
+
+
+os.register_at_fork(after_in_child=_free_inherited_locks)

@@ -22,7 +22,7 @@ import torch
 
 from shmloader import rngstate
 from shmloader._torch_compat import ITERABLE_KIND
-from shmloader.onethread import one_thread
+from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import last_logged
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
 
@@ -35,6 +35,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # the fetch under way (the sampler draws and the dataset's global RNG draws of a batch
         # are either all in the state or none of them; review 45)
         self._lock = threading.RLock()
+        reset_after_fork(self)
         self._consumed = 0
         self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
         self.end_unseen = False  # ... and whether it found the epoch's end ahead of its user

@@ -15,14 +15,17 @@ only after. The second lets a thread take states as fast as it can and resumes e
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from shmloader import DataLoader
 from tests.lifetime_checks import frees_its_loaders_on_failure
@@ -191,3 +194,135 @@ def test_every_state_a_checkpoint_thread_takes_while_the_loader_runs_resumes_exa
             f"state epoch={state['epoch']} in_epoch={state['in_epoch']} "
             f"yielded={state['yielded']} base_seed={state['base_seed']} resumed wrong"
         )
+
+
+class SamplerDuringSave(Sampler[int]):
+    """``range(N)``, with a ``state_dict()`` (so a loader's ``state_dict()`` calls it between
+    epochs) that, once, says it is inside (``meeting.inside``) and waits for ``meeting.taken``."""
+
+    def __init__(self, meeting: Meeting) -> None:
+        self.meeting = meeting
+        self.hold = True
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(N))
+
+    def state_dict(self) -> dict[str, int]:
+        if self.hold:
+            self.hold = False
+            self.meeting.inside.set()
+            self.meeting.taken.wait(WAIT_S)
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["num_workers=0", "2-workers"])
+@frees_its_loaders_on_failure
+def test_a_process_forked_while_another_thread_saves_can_save_and_iterate(workers: int) -> None:
+    """Review 47: a child forked while a checkpoint thread was inside ``state_dict()`` found
+    the loader's lock held for good (by a thread it does not have): its ``iter(loader)`` and
+    ``state_dict()`` hung."""
+    meeting = Meeting()
+    loader = meeting.loader = DataLoader(
+        Augment(), batch_size=BATCH, sampler=SamplerDuringSave(meeting), num_workers=workers,
+        timeout=TIMEOUT if workers else 0,
+    )  # fmt: skip
+    thread = threading.Thread(target=lambda: loader.state_dict())
+    thread.start()
+    try:
+        assert meeting.inside.wait(WAIT_S)  # the thread holds the loader's lock now
+        pid = os.fork()
+        if pid == 0:  # the child: save, then a whole epoch with its own workers
+            code = 1
+            try:
+                loader.state_dict()
+                code = 0 if len(list(loader)) == N // BATCH else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + WAIT_S
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            meeting.taken.wait(0.01)  # (never set yet: a bounded pause between looks)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child hung for {WAIT_S} s")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        meeting.taken.set()
+        thread.join(WAIT_S)
+
+
+def _save_while_a_thread_waits(loader: DataLoader[Any]) -> tuple[threading.Thread, Any]:
+    """From inside ``next()``: start a checkpoint thread, let it take the loader's lock (it then
+    waits for this ``next()``), then call ``state_dict()`` here. Returns the thread and what the
+    call here raised (None if it returned)."""
+    thread = threading.Thread(target=lambda: loader.state_dict())
+    thread.start()
+    lock = loader._state_lock
+    deadline = time.monotonic() + WAIT_S
+    while lock.acquire(blocking=False):  # until the thread holds it
+        lock.release()
+        assert time.monotonic() < deadline, "the checkpoint thread never took the lock"
+        threading.Event().wait(0.001)  # (a bounded pause between looks)
+    try:
+        loader.state_dict()
+    except RuntimeError as e:
+        return thread, e
+    return thread, None
+
+
+class SavesInside(Dataset):  # type: ignore[type-arg]
+    """Item i is ``[i]``; loading item 1 (in this process: ``num_workers=0``) runs
+    :func:`_save_while_a_thread_waits` once."""
+
+    def __init__(self) -> None:
+        self.loader: DataLoader[Any] | None = None
+        self.result: list[tuple[threading.Thread, Any]] = []
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1 and self.loader is not None and not self.result:
+            self.result.append(_save_while_a_thread_waits(self.loader))
+        return torch.tensor([float(i)])
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["num_workers=0", "2-workers"])
+@frees_its_loaders_on_failure
+def test_state_dict_inside_next_raises_while_a_checkpoint_thread_waits_for_that_next(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 47: a checkpoint thread's ``state_dict()`` holds the loader's lock and waits for
+    the ``next()`` under way; a ``state_dict()`` from inside that ``next()`` (a signal handler,
+    say) waited for the loader's lock: both waited for good. It raises the error that says to
+    save between steps, as it does with no checkpoint thread."""
+    data = SavesInside()
+    loader = DataLoader(data, batch_size=BATCH, num_workers=workers,
+                        timeout=TIMEOUT if workers else 0)  # fmt: skip
+    it = iter(loader)
+    if workers:  # inside next(): where it offers slots, as the test of one thread does
+        offer = it._dispatch.offer
+
+        def offer_and_save() -> None:
+            if not data.result:
+                data.result.append(_save_while_a_thread_waits(loader))
+            offer()
+
+        monkeypatch.setattr(it._dispatch, "offer", offer_and_save)
+    else:
+        data.loader = loader
+    first = next(it)
+    monkeypatch.undo()
+    assert data.result, "the test did not reach state_dict() inside next()"
+    thread, raised = data.result[0]
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert isinstance(raised, RuntimeError) and "between steps" in str(raised), raised
+    assert first.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert loader.state_dict()["yielded"] == 1
