@@ -138,12 +138,14 @@ class NextBatch(_BaseDataLoaderIter):
             blocked = d.blocked_on(d.status.__getitem__)
             if blocked is not None:
                 d.unblock(blocked, deadline)
+            # Slices of WAIT_SLICE_S at most, timeout or not: one that ends with nothing read
+            # looks at every worker (an exit nothing signalled: no pidfds, review 47)
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 why = d.why_waiting(self._timeout)  # the copy fence, or the cap, held it up
                 self._safe = True
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{why}")
-            deaths = self._sup.wait(left)
+            deaths = self._sup.wait(min(left, WAIT_SLICE_S))
         while inbox:  # one frame at a time: an interruption leaves the rest for the next call
             self._safe = False
             wid, frame = inbox.popleft()

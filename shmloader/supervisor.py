@@ -128,7 +128,10 @@ class Supervisor:
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
         # registered its teardown) are killed and reaped, not left running, and the slots kept
         # for them come back (review 25).
-        on_death(self, _end_unstopped, os.getpid(), self.procs, self._keep, self._pidfds)
+        on_death(
+            self, _end_unstopped, os.getpid(), self.procs, self._keep, self._pidfds,
+            self._own_children,
+        )  # fmt: skip
         try:
             forked = ctx.get_start_method() == "fork"
             with afterfork.forking_workers(self._keep):  # each fork keeps what is lent then
@@ -355,30 +358,11 @@ class Supervisor:
     def kill(self) -> None:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
         could still finish is wanted. :meth:`shutdown` then only closes the pipes."""
-        _kill_and_reap(self.procs)
+        _kill_and_reap(self.procs, self._pidfds, self._own_children)
         self._ended()
 
     def _wait_exit(self, wid: int, timeout: float) -> None:
-        """Wait up to ``timeout`` for worker ``wid`` to exit, and reap it if it did.
-        ``Process.join(timeout)`` would reap with a blocking ``waitpid`` as soon as the sentinel
-        is readable, which a worker that closed its descriptors makes it while it runs on
-        (review 46): so wait on its pidfd, or look at its sentinel and status in short steps.
-        (A forkserver's sentinel is the forkserver's, which sends the code there.)"""
-        p = self.procs[wid]
-        deadline = time.monotonic() + timeout
-        pidfd = self._pidfd(wid)
-        fd = pidfd if pidfd is not None else int(p.sentinel)
-        sure = pidfd is not None or not self._own_children  # fires only once it exited
-        while p.exitcode is None:
-            if self._own_children and _reaped_elsewhere(p.pid):
-                return  # its code never comes: SIGCHLD ignored, or a handler's wait()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            if poller.poll(int(1000 * left) + 1) and not sure and p.exitcode is None:
-                time.sleep(min(left, 0.01))  # the sentinel of a live worker: look again soon
+        _wait_exit(self.procs[wid], self._pidfd(wid), self._own_children, timeout)
 
     def _ended(self) -> None:
         """Every worker is ended (exited, or killed: none of its code runs any more): the slots
@@ -444,10 +428,10 @@ _CLOSED = (
 
 
 def _end_unstopped(
-    pid: int, procs: list[Any], keep: afterfork.Keep, pidfds: list[int | None]
+    pid: int, procs: list[Any], keep: afterfork.Keep, pidfds: list[int | None], own: bool
 ) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
-        _kill_and_reap(procs)
+        _kill_and_reap(procs, pidfds, own)
         keep.lift()  # (after a teardown that lifted already: a no-op)
     _close_pidfds(pidfds)  # (a forked child closes its copies)
 
@@ -479,12 +463,37 @@ def _forget_if_reaped_elsewhere(p: Any) -> None:
         multiprocessing.process._children.discard(p)  # type: ignore[attr-defined]
 
 
-def _kill_and_reap(procs: list[Any]) -> None:
+def _kill_and_reap(procs: list[Any], pidfds: list[int | None], own: bool) -> None:
     for p in procs:
         if p.exitcode is None:
             p.kill()
-    for p in procs:
-        p.join(KILL_S)
+    deadline = time.monotonic() + KILL_S
+    for wid, p in enumerate(procs):
+        pidfd = pidfds[wid] if wid < len(pidfds) else None
+        _wait_exit(p, pidfd, own, deadline - time.monotonic())
+
+
+def _wait_exit(p: Any, pidfd: int | None, own: bool, timeout: float) -> None:
+    """Wait up to ``timeout`` for worker ``p`` (a child of ours if ``own``, else a
+    forkserver's) to exit, and reap it if it did. ``Process.join(timeout)`` waits on the
+    sentinel, which a process the worker forked may hold open long after the worker died
+    (review 47: 2 s a worker), and then reaps with a blocking ``waitpid``, which waits for
+    good for a worker that closed its sentinel and runs on (review 46). So: the pidfd, which
+    fires on the exit alone; or, without one, the sentinel and the status in 10 ms steps. (A
+    forkserver's sentinel is the forkserver's, which sends the code there.)"""
+    deadline = time.monotonic() + timeout
+    fd = pidfd if pidfd is not None else int(p.sentinel)
+    sure = pidfd is not None or not own  # fires only once it exited
+    while p.exitcode is None:
+        if own and _reaped_elsewhere(p.pid):
+            return  # its code never comes: SIGCHLD ignored, or a handler's wait()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if poller.poll(int(1000 * (left if sure else min(left, 0.01))) + 1) and not sure:
+            time.sleep(min(left, 0.01))  # the sentinel of a live worker: look again soon
 
 
 def _reaped_elsewhere(pid: int) -> bool:

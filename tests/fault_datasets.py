@@ -152,20 +152,24 @@ class TwoGates(Dataset):
 
 
 class ForksAHelperThenGated(Gated):
-    """:class:`Gated`, whose worker first forks a helper process at the gated index, as a
-    library that forks without exec does. The helper keeps every descriptor it inherited (the
-    worker's pipe to the main process, the write end of its process sentinel), writes its pid
-    to ``helper``, and exits once ``release`` is readable (or after :data:`GATE_WAIT_S`)."""
+    """:class:`Gated`, whose workers fork a helper process at the indices ``fork_at`` (the
+    gated one by default), as a library that forks without exec does. A helper keeps every
+    descriptor it inherited (the worker's pipe to the main process, the write end of its process
+    sentinel), writes its pid to ``helper``, and exits once ``release`` is readable (or after
+    :data:`GATE_WAIT_S`)."""
 
-    def __init__(self, n: int, gate_index: int, gate: Gate) -> None:
+    def __init__(
+        self, n: int, gate_index: int, gate: Gate, fork_at: tuple[int, ...] | None = None
+    ) -> None:
         super().__init__(n, gate_index, gate)
+        self.fork_at = (gate_index,) if fork_at is None else fork_at
         self.helper_r, self.helper_w = os.pipe()
         self.release_r, self.release_w = os.pipe()
         fds = (self.helper_r, self.helper_w, self.release_r, self.release_w)
         weakref.finalize(self, _close_all, fds)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if i == self.gate_index and os.fork() == 0:
+        if i in self.fork_at and os.fork() == 0:
             try:
                 os.write(self.helper_w, struct.pack("<i", os.getpid()))
                 select.select([self.release_r], [], [], GATE_WAIT_S)
