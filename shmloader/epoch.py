@@ -158,6 +158,7 @@ class ShmDataLoaderIter(NextBatch):
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
             self.ahead = 0
             self.end_unseen = False
+            self._count_unseen = False  # until a DevicePrefetcher pass over this epoch says
             if self._rewind_keep:  # a DevicePrefetcher's batches ahead: see rewindable()
                 self._at.log = deque(maxlen=self._rewind_keep)
                 self._progress.undo = deque(maxlen=self._rewind_keep)
@@ -243,6 +244,14 @@ class ShmDataLoaderIter(NextBatch):
         """Batches of the epoch taken so far, yielded or raised (an error that took none, a
         timeout or the cap's, leaves it): a DevicePrefetcher tells the two kinds apart."""
         return self._at.count
+
+    def _taken_unseen(self) -> None:
+        """A consumer (a ``DevicePrefetcher`` pass) takes this epoch's batches: each counts as
+        held unseen from the moment ``next()`` hands it out (under the lock a checkpoint
+        thread's state waits for) until the consumer says how many it holds
+        (``_batches_ahead``). Else a state taken in between counted it as seen: the resume
+        skipped it (review 48)."""
+        self._count_unseen = True
 
     def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
         """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and

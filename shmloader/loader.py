@@ -121,8 +121,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return it
 
     def _current(self) -> Any:
+        """This process's latest iterator (one inherited through fork is the parent's)."""
         it = self._live() if self._live is not None else None
-        if isinstance(it, ShmDataLoaderIter) and not it.here:
+        if it is not None and not it.here:
             return None
         return it
 

@@ -61,6 +61,8 @@ class NextBatch(_BaseDataLoaderIter):
     _ended: bool  # the epoch has ended (StopIteration raised)
     failure: str | None  # why the iterator is unusable; None while it is usable
     _safe: bool  # whether an interruption of next() now leaves nothing half done
+    ahead: int  # batches a consumer (a DevicePrefetcher) holds unseen (_batches_ahead)
+    _count_unseen: bool  # a batch handed out counts as held unseen (_taken_unseen)
 
     def __next__(self) -> Any:
         # torch's __next__ wraps every batch in a profiler range, which costs about 10 us even
@@ -183,6 +185,8 @@ class NextBatch(_BaseDataLoaderIter):
     def _process(self, info: TaskInfo[Any]) -> Any:
         d = self._dispatch
         self._at.count += 1  # taken from the table: yielded or raised, never produced again
+        if self._count_unseen:  # to a consumer that says later how many it holds unseen
+            self.ahead += 1
         try:
             self._progress.consumed(info.worker_id, d.epoch, info.seq)
             if not d.in_order:

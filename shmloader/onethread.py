@@ -13,12 +13,15 @@ itself, or waiting for a thread that waits for a lock it holds.
 A process forked while another thread holds one of these locks (a checkpoint thread inside
 ``state_dict()``) would find it held for good: the owners registered with
 :func:`reset_after_fork` have their ``_lock`` and ``_state_lock`` made free again in the child,
-unless the forking thread itself holds them (it goes on, and releases them, in the child).
+unless the forking thread itself holds them and the child goes on from the fork (``os.fork()``:
+it returns through the frames that release them). A ``multiprocessing`` child never returns
+there (it runs its target and exits), so it frees those too.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing.util
 import os
 import weakref
 from collections.abc import Callable
@@ -58,21 +61,36 @@ def one_thread(what: str) -> Callable[[F], F]:
     return wrap
 
 
-_resettable: weakref.WeakSet[Any] = weakref.WeakSet()
+# id -> weak reference: by id, since an owner need not be hashable (a DataLoader subclass with
+# __eq__ and no __hash__ is not; review 48)
+_resettable: dict[int, weakref.ref[Any]] = {}
 
 
 def reset_after_fork(owner: Any) -> None:
     """Have a forked child free ``owner``'s ``_lock`` and ``_state_lock`` that another thread
     of the parent held at the fork (review 47: ``iter(loader)`` in a child hung for good)."""
-    _resettable.add(owner)
+    key = id(owner)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if _resettable.get(key) is ref:
+            del _resettable[key]
+
+    _resettable[key] = weakref.ref(owner, forget)
 
 
-def _free_inherited_locks() -> None:
-    for owner in list(_resettable):
+def _free_inherited_locks(forking_threads_too: bool = False) -> None:
+    for ref in list(_resettable.values()):
+        owner = ref()
         for name in ("_lock", "_state_lock"):
             lock = getattr(owner, name, None)
-            if lock is not None and not lock._is_owned():  # (the forking thread's: kept)
+            if lock is not None and (forking_threads_too or not lock._is_owned()):
                 lock._at_fork_reinit()
 
 
+class _Forever:
+    """What multiprocessing's after-fork registry is keyed by (it keeps a weak reference)."""
+
+
+_FOREVER = _Forever()
 os.register_at_fork(after_in_child=_free_inherited_locks)
+multiprocessing.util.register_after_fork(_FOREVER, lambda _: _free_inherited_locks(True))

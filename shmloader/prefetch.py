@@ -249,6 +249,10 @@ class _Prefetching:
         self.tell_ahead: Callable[[int, bool], None] | None = getattr(
             self.source, "_batches_ahead", None
         )
+        # ... from the moment it hands one out: a state_dict() before _tell() counts it
+        taken_unseen = getattr(self.source, "_taken_unseen", None)
+        if taken_unseen is not None:
+            taken_unseen()
         # How many batches the source has used up, errors included (a shmloader iterator, or a
         # prefetcher's pass): whether an error it raises used one up.
         self.source_taken: Callable[[], int] | None = getattr(

@@ -14,6 +14,7 @@ already consumed are fetched again and dropped, with the global RNGs put back af
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections import deque
 from typing import Any
@@ -36,6 +37,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # are either all in the state or none of them; review 45)
         self._lock = threading.RLock()
         reset_after_fork(self)
+        self._pid = os.getpid()  # the process the iterator belongs to (here)
+        self._count_unseen = False  # _taken_unseen()
         self._consumed = 0
         self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
         self.end_unseen = False  # ... and whether it found the epoch's end ahead of its user
@@ -125,7 +128,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             log.append(rngstate.capture())
         drawn = self._consumed
         try:
-            return super()._next_data()  # type: ignore[no-untyped-call]
+            data = super()._next_data()  # type: ignore[no-untyped-call]
         except BaseException as e:
             if isinstance(e, StopIteration):
                 # No batch came of that fetch (an IterableDataset's index was drawn, then its
@@ -137,7 +140,21 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # the RNGs one batch late (review 40).
             if logged and self._consumed == drawn and self._rngs_before:
                 self._rngs_before.pop()
+            if self._count_unseen and self._consumed != drawn:
+                self.ahead += 1  # its error goes to the consumer first (_taken_unseen)
             raise
+        if self._count_unseen:
+            self.ahead += 1
+        return data
+
+    @property
+    def here(self) -> bool:
+        """Whether the iterator belongs to the calling process (not inherited by fork)."""
+        return self._pid == os.getpid()
+
+    def _taken_unseen(self) -> None:
+        """As :meth:`shmloader.epoch.ShmDataLoaderIter._taken_unseen`."""
+        self._count_unseen = True
 
     def _batches_taken(self) -> int:
         """Batches of the epoch drawn so far, yielded or raised (for a DevicePrefetcher)."""

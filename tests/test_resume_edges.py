@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -783,6 +784,47 @@ def test_a_rewinding_stream_saved_at_its_last_item_behind_a_prefetcher_resumes_p
     resumed.load_state_dict(state)
     passes = [[batch_bytes(b) for b in prefetched(resumed)] for _ in range(2)]
     assert passes == [[], seen[10:]]
+
+
+class SavesAtFirstCopy(CloningEngine):
+    """The copy engine of a prefetcher whose first copy waits for a checkpoint thread's
+    ``state_dict()``: the batch is taken from the loader, and not yet counted by the
+    prefetcher as held."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self.loader = loader
+        self.states: list[dict[str, Any]] = []
+
+    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
+        if not self.states:
+            thread = threading.Thread(target=lambda: self.states.append(self.loader.state_dict()))
+            thread.start()
+            thread.join(TIMEOUT)
+            assert self.states, "the checkpoint thread's state_dict() did not return"
+        return super().copy(batch)
+
+
+@pytest.mark.parametrize("case", list(PREFETCHED))
+def test_a_state_a_thread_takes_as_a_prefetcher_takes_a_batch_resumes_at_the_users_batch(
+    case: str,
+) -> None:
+    """Review 48: a prefetcher told the iterator how many batches it held only after taking
+    one, and a checkpoint thread's state in between counted that batch as the user's: the
+    resume skipped it (and those after it the prefetcher took before its first hand-over)."""
+    make = PREFETCHED[case]
+    seed_all(0)
+    loader = make()
+    engine = SavesAtFirstCopy(loader)
+    seen = [batch_bytes(b) for b in DevicePrefetcher(loader, "cuda", depth=1, engine=engine)]
+    state = roundtrip(engine.states[0])
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert state["yielded"] == 0, "the batch taken, not yet handed out, counted as seen"
+    got = [batch_bytes(b) for b in resumed]
+    if case == "in_order=False":  # which batch comes when, and with which worker's draws, is
+        assert sorted(map(_indices, got)) == sorted(map(_indices, seen))  # timing's (README)
+    else:
+        assert got == seen
 
 
 def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:

@@ -15,6 +15,7 @@ only after. The second lets a thread take states as fast as it can and resumes e
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -326,3 +327,54 @@ def test_state_dict_inside_next_raises_while_a_checkpoint_thread_waits_for_that_
     assert isinstance(raised, RuntimeError) and "between steps" in str(raised), raised
     assert first.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
     assert loader.state_dict()["yielded"] == 1
+
+
+class StartsAChildInside(Dataset):  # type: ignore[type-arg]
+    """Item i is ``[i]``; loading item 1 (``num_workers=0``: inside ``next()``) starts, once, a
+    ``multiprocessing`` child (fork) that saves the loader's state and runs an epoch of it."""
+
+    def __init__(self) -> None:
+        self.loader: DataLoader[Any] | None = None
+        self.exitcode: int | None = None
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1 and self.exitcode is None and self.loader is not None:
+            loader = self.loader
+
+            def child() -> None:
+                loader.state_dict()
+                os._exit(0 if len(list(loader)) == N // BATCH else 2)
+
+            proc = multiprocessing.get_context("fork").Process(target=child)
+            proc.start()
+            proc.join(WAIT_S)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(WAIT_S)
+            self.exitcode = proc.exitcode
+        return torch.tensor([float(i)])
+
+
+@frees_its_loaders_on_failure
+def test_a_child_started_inside_a_fetch_iterates_and_saves_its_inherited_loader() -> None:
+    """Review 48: a multiprocessing child started from inside a num_workers=0 fetch inherited
+    the iterator's lock held (by the thread that forked, which the child never returns to):
+    its iter(loader) and state_dict() raised the re-entrance error."""
+    data = StartsAChildInside()
+    loader = data.loader = DataLoader(data, batch_size=BATCH)
+    assert len(list(loader)) == N // BATCH
+    assert data.exitcode == 0
+
+
+def test_a_loader_subclass_that_is_not_hashable_is_made_and_iterated() -> None:
+    """Review 48: registering a loader for the fork hook needed it hashable; torch's does not."""
+
+    class Compared(DataLoader):  # type: ignore[type-arg]
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+    assert Compared.__hash__ is None
+    assert len(list(Compared(Augment(), batch_size=BATCH))) == N // BATCH
