@@ -245,13 +245,17 @@ class ShmDataLoaderIter(NextBatch):
         timeout or the cap's, leaves it): a DevicePrefetcher tells the two kinds apart."""
         return self._at.count
 
-    def _taken_unseen(self) -> None:
+    def _taken_unseen(self, counting: bool = True) -> None:
         """A consumer (a ``DevicePrefetcher`` pass) takes this epoch's batches: each counts as
         held unseen from the moment ``next()`` hands it out (under the lock a checkpoint
         thread's state waits for) until the consumer says how many it holds
         (``_batches_ahead``). Else a state taken in between counted it as seen: the resume
-        skipped it (review 48)."""
-        self._count_unseen = True
+        skipped it (review 48). ``counting=False``: the consumer is gone (its pass closed),
+        and what it held, the user never gets from it: the loop goes on without it (review
+        49: each plain ``next()`` after an abandoned pass counted as unseen)."""
+        self._count_unseen = counting
+        if not counting:
+            self.ahead, self.end_unseen = 0, False
 
     def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
         """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and

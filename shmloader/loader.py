@@ -121,9 +121,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return it
 
     def _current(self) -> Any:
-        """This process's latest iterator (one inherited through fork is the parent's)."""
+        """The latest iterator (a multi-worker one inherited through fork is the parent's: its
+        workers and slots are; a num_workers=0 one goes on in an os.fork() child)."""
         it = self._live() if self._live is not None else None
-        if it is not None and not it.here:
+        if isinstance(it, ShmDataLoaderIter) and not it.here:
             return None
         return it
 

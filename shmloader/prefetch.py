@@ -364,6 +364,11 @@ class _Prefetching:
         self.retiring.clear()
         self.queue.clear()
         self.ahead = _NONE
+        # the source's next batches are its user's own again (a pass cut short in __init__
+        # has no source)
+        taken_unseen = getattr(getattr(self, "source", None), "_taken_unseen", None)
+        if taken_unseen is not None:
+            taken_unseen(False)
 
     def __del__(self) -> None:
         self.close()

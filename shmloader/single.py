@@ -14,7 +14,6 @@ already consumed are fetched again and dropped, with the global RNGs put back af
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections import deque
 from typing import Any
@@ -37,7 +36,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # are either all in the state or none of them; review 45)
         self._lock = threading.RLock()
         reset_after_fork(self)
-        self._pid = os.getpid()  # the process the iterator belongs to (here)
         self._count_unseen = False  # _taken_unseen()
         self._consumed = 0
         self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
@@ -147,14 +145,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self.ahead += 1
         return data
 
-    @property
-    def here(self) -> bool:
-        """Whether the iterator belongs to the calling process (not inherited by fork)."""
-        return self._pid == os.getpid()
-
-    def _taken_unseen(self) -> None:
+    def _taken_unseen(self, counting: bool = True) -> None:
         """As :meth:`shmloader.epoch.ShmDataLoaderIter._taken_unseen`."""
-        self._count_unseen = True
+        self._count_unseen = counting
+        if not counting:
+            self.ahead, self.end_unseen = 0, False
 
     def _batches_taken(self) -> int:
         """Batches of the epoch drawn so far, yielded or raised (for a DevicePrefetcher)."""

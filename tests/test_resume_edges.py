@@ -9,10 +9,12 @@ scrambled (:mod:`tests.resume_items`), and compares with the uninterrupted run, 
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -825,6 +827,58 @@ def test_a_state_a_thread_takes_as_a_prefetcher_takes_a_batch_resumes_at_the_use
         assert sorted(map(_indices, got)) == sorted(map(_indices, seen))  # timing's (README)
     else:
         assert got == seen
+
+
+@pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent"])
+def test_the_plain_loop_after_an_abandoned_prefetcher_pass_saves_where_it_is(case: str) -> None:
+    """Review 49: a pass over ``iter(loader)``, left after 2 batches, kept the iterator
+    counting every batch it handed out as held unseen, so the plain ``next()`` calls after it
+    were repeated by a resume (and after 64 of them state_dict() raised). A closed pass gives
+    the iterator back to its user: what the pass still held is dropped, as a loop's batches
+    are."""
+    make = PREFETCHED[case]
+    seed_all(0)
+    loader = make()
+    it = iter(loader)
+    passing = iter(DevicePrefetcher(it, "cuda", depth=1, engine=CloningEngine()))
+    for _ in range(2):
+        next(passing)
+    del passing
+    gc.collect()
+    for _ in range(3):
+        next(it)
+    state = roundtrip(loader.state_dict())
+    rest = [batch_bytes(b) for b in it]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [batch_bytes(b) for b in resumed] == rest
+
+
+def test_a_forked_child_saves_the_num_workers_0_epoch_it_goes_on_with() -> None:
+    """Review 49: with num_workers=0 an os.fork() child goes on with the iterator it
+    inherited, and its state_dict() said the epoch had ended (the fork-to-snapshot pattern
+    then resumed a whole epoch early)."""
+    loader = PREFETCHED["0 workers"]()
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sd = loader.state_dict()
+            code = 0 if (sd["epoch"], sd["in_epoch"], sd["yielded"]) == (0, True, 3) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + TIMEOUT
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)  # (a bounded pause between looks)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    del it
 
 
 def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:
