@@ -231,6 +231,9 @@ class _Prefetching:
         self.end_raised = False  # StopIteration raised to this pass's consumer
         # What a prefetcher over this one holds unseen (_batches_ahead), counted with ours.
         self.outer: tuple[int, bool] = (0, False)
+        # Such a prefetcher takes this pass's batches: each handed out counts in ``outer``
+        # until it says how many it holds (_taken_unseen)
+        self.count_unseen = False
         loader = owner.loader
         will_hold = getattr(loader, "_consumer_will_hold", None)
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
@@ -271,9 +274,11 @@ class _Prefetching:
                 if isinstance(item, _LoaderError):
                     self.stalled = self.stalled and item.consumed
                     self.taken += item.consumed
+                    self._handed_unseen(item.consumed)
                     self._tell()
                     raise item.error
                 self.taken += 1
+                self._handed_unseen(1)
                 try:
                     batch = self._hand_over(*item)
                 finally:
@@ -318,6 +323,23 @@ class _Prefetching:
         maybe the end): the shmloader iterator behind is told of them with those held here."""
         self.outer = (batches, end_unseen)
         self._tell()
+
+    def _handed_unseen(self, batches: int) -> None:
+        """``batches`` handed to a prefetcher over this one that counts them held unseen from
+        now (:meth:`_taken_unseen`) until it says how many it holds (:meth:`_batches_ahead`)."""
+        if self.count_unseen and batches:
+            self.outer = (self.outer[0] + batches, self.outer[1])
+
+    def _taken_unseen(self, counting: bool = True) -> None:
+        """A prefetcher over this one takes this pass's batches: as the shmloader iterator's
+        :meth:`shmloader.epoch.ShmDataLoaderIter._taken_unseen`, each counts as held unseen
+        from the moment it is handed out, else a checkpoint thread's state during the outer
+        one's first steps skipped them (review 49). ``counting=False``: that prefetcher's pass
+        is closed, and what it held is dropped."""
+        self.count_unseen = counting
+        if not counting:
+            self.outer = (0, False)
+            self._tell()
 
     def _batches_taken(self) -> int:
         """Batches this pass handed out, errors that used one up included (for a prefetcher

@@ -34,6 +34,7 @@ from arena.errors import ArenaExhaustedError
 from shmloader import DataLoader, DevicePrefetcher
 from shmloader.prefetch import map_tensors
 from tests.fault_datasets import Gate, Gated, Ramp
+from tests.lifetime_checks import frees_its_loaders_on_failure
 from tests.resume_items import (
     TIMEOUT,
     Item,
@@ -829,6 +830,33 @@ def test_a_state_a_thread_takes_as_a_prefetcher_takes_a_batch_resumes_at_the_use
         assert got == seen
 
 
+@pytest.mark.parametrize("outer_depth", [1, 3])
+@pytest.mark.parametrize("case", ["0 workers", "2 workers", "in_order=False"])
+@frees_its_loaders_on_failure
+def test_a_state_a_thread_takes_as_an_outer_prefetcher_takes_a_batch_resumes_at_the_users_batch(
+    case: str, outer_depth: int
+) -> None:
+    """Review 49 H1: with one prefetcher over another, a batch the inner one handed to the outer
+    one was counted by neither until the outer one handed one out, so a checkpoint thread's
+    state during the outer one's first steps resumed past those batches."""
+    make = PREFETCHED[case]
+    seed_all(0)
+    loader = make()
+    engine = SavesAtFirstCopy(loader)
+    inner = DevicePrefetcher(loader, "cuda", depth=2, engine=CloningEngine())
+    outer = DevicePrefetcher(inner, "cuda", depth=outer_depth, engine=engine)
+    seen = [batch_bytes(b) for b in outer]
+    state = roundtrip(engine.states[0])
+    assert state["yielded"] == 0, "a batch the outer prefetcher took, not handed out, was seen"
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = [batch_bytes(b) for b in resumed]
+    if case == "in_order=False":
+        assert sorted(map(_indices, got)) == sorted(map(_indices, seen))
+    else:
+        assert got == seen
+
+
 @pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent"])
 def test_the_plain_loop_after_an_abandoned_prefetcher_pass_saves_where_it_is(case: str) -> None:
     """Review 49: a pass over ``iter(loader)``, left after 2 batches, kept the iterator
@@ -849,6 +877,32 @@ def test_the_plain_loop_after_an_abandoned_prefetcher_pass_saves_where_it_is(cas
         next(it)
     state = roundtrip(loader.state_dict())
     rest = [batch_bytes(b) for b in it]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [batch_bytes(b) for b in resumed] == rest
+
+
+@pytest.mark.parametrize("case", ["0 workers", "2 workers"])
+@frees_its_loaders_on_failure
+def test_the_inner_prefetcher_after_an_abandoned_outer_pass_saves_where_its_user_is(
+    case: str,
+) -> None:
+    """Once an outer prefetcher's pass is dropped, the inner one's batches are its user's own
+    again (what the inner one still holds ahead stays unseen). Before review 49 H1's fix the
+    inner pass kept the outer one's last count: the resume repeated that many of the user's."""
+    make = PREFETCHED[case]
+    seed_all(0)
+    loader = make()
+    inner = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+    outer = iter(DevicePrefetcher(inner, "cuda", depth=1, engine=CloningEngine()))
+    for _ in range(2):
+        next(outer)
+    del outer
+    gc.collect()
+    for _ in range(3):
+        next(inner)
+    state = roundtrip(loader.state_dict())
+    rest = [batch_bytes(b) for b in inner]
     resumed = make()
     resumed.load_state_dict(state)
     assert [batch_bytes(b) for b in resumed] == rest
