@@ -9,6 +9,7 @@ Lease life cycle::
     open: READY -> LENT, lease live --last view dies--> dead (queued) --drain--> slot FREE
                             |
                             +--release_early--> slot FREE, lease forgotten (a later death: no-op)
+                            +--let_go, views die with it--> slot FREE at once (no fence)
 
 Invariants:
 - A slot is released only after every view of its batch is gone (or by ``release_early``).
@@ -468,17 +469,44 @@ class Leases:
             if by_key.get(k) is lease:
                 del by_key[k]
 
-    def release_early(self, batch: Any, copies_done: bool = False) -> int:
-        """Return the slots of ``batch`` now, whatever views remain: through the fence, if any,
-        unless the caller knows every copy from them has completed (``copies_done``). Returns
-        how many; 0 for a batch released before (its generation has moved on) or holding no
-        slot. Re-entered from a lease or arena operation of this thread (see :meth:`busy_here`),
-        the release is queued for the next drain instead."""
+    def release_early(self, batch: Any) -> int:
+        """Return the slots of ``batch`` now, whatever views remain, through the fence if any.
+        Returns how many; 0 for a batch released before (its generation has moved on) or
+        holding no slot. Re-entered from a lease or arena operation of this thread (see
+        :meth:`busy_here`), the release is queued for the next drain instead."""
         if self.busy_here():
             found = self._leases_of(batch)
             self.dead.extend(found)  # the next drain releases them, as if they had died
             return len(found)
-        return self._as_owner(self._release_early, batch, copies_done)
+        return self._as_owner(self._release_early, batch)
+
+    def let_go(self, box: list[Any]) -> int:
+        """A consumer whose own copies from the batch in ``box`` (its only element) have all
+        completed lets go of it (a ``DevicePrefetcher``, :meth:`DataLoader._copies_done`): if
+        the batch is one of this table's, ``box`` is emptied here, and the slots of those of
+        its leases whose views died with that go back at once, without the copy fence (no copy
+        the consumer made from them is still running). A lease whose views something else
+        still holds (a wrapper or subclass that kept the batch, a view in the device batch:
+        review 50) is left alone: it goes back when those die, as any. Returns how many went
+        back; ``box`` is left as it was when the batch is none of this table's."""
+        if self.busy_here():
+            if self._leases_of(box[0]):
+                box.clear()  # its leases' deaths are drained later, through the fence
+            return 0
+        return self._as_owner(self._let_go, box)
+
+    def _let_go(self, box: list[Any]) -> int:
+        found = self._leases_of(box[0])
+        if not found:
+            return 0
+        box.clear()  # the consumer's last reference: views nobody else holds die here
+        n = 0
+        live = self._live
+        for lease in found:
+            if lease() is None and id(lease) in live:
+                self._forget(lease)  # (its death, queued, is then a no-op)
+                n += self._give_back(lease.slot, kept=1)
+        return n
 
     def _leases_of(self, batch: Any) -> list[Lease]:
         """The live leases whose slots ``batch``'s tensors and arrays are views of, once each."""
@@ -490,12 +518,12 @@ class Leases:
                 found[id(lease)] = lease
         return list(found.values())
 
-    def _release_early(self, batch: Any, copies_done: bool) -> int:
+    def _release_early(self, batch: Any) -> int:
         self._drain()
         n = 0
         for lease in self._leases_of(batch):
             self._forget(lease)
-            if not copies_done and self.fence is not None and self._through_fence(lease.slot):
+            if self.fence is not None and self._through_fence(lease.slot):
                 self.fence.hold([lease.slot])  # released: its copies may still be queued
                 n += 1
             else:

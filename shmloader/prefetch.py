@@ -25,12 +25,14 @@ Invariants:
   end).
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
-  under an in-flight DMA (FFCV and SPDL do the same). When the device batch provably shares
-  nothing with it (built of plain containers, atoms and tensors, none of them the host's), a
-  shmloader ``DataLoader`` then gets its slots back at once (``_copies_done``), without the
-  wait on the current stream that the copy fence (:mod:`shmloader.fence`) applies to batches
-  whose copies it cannot see; anything else (an object, a NumPy array, a set) may still view the
-  slot in the user's hands, so its batch stays under the fence.
+  under an in-flight DMA (FFCV and SPDL do the same). Then the prefetcher lets go of it: a
+  shmloader ``DataLoader`` gets back at once the slots of the views that die with that
+  (``_copies_done``), without the wait on the current stream that the copy fence
+  (:mod:`shmloader.fence`) applies to batches whose copies it cannot see. A view something
+  else still holds (the device batch, if the engine or a custom batch class left one in it; a
+  wrapper or loader subclass that kept the batch) keeps its slot until it dies, and then goes
+  through the fence as any (review 50: the slots went back on a check of the device batch
+  alone, under views a wrapper kept).
 - Device tensors handed out are marked as used by the consumer stream (``record_stream``), so the
   caching allocator does not reuse their memory while the consumer still reads them.
 - Batches are walked as torch's ``pin_memory`` walks them (:func:`map_tensors`); a custom batch
@@ -43,7 +45,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict, defaultdict, deque
+from collections import deque
 from collections.abc import (
     Callable,
     Iterable,
@@ -218,9 +220,8 @@ class _Prefetching:
         # In the loader's order: (host, device, event) of copies issued, or an error (the
         # loader's, or the engine's for that batch), raised at its turn.
         self.queue: deque[tuple[Any, Any, Event] | _LoaderError] = deque()
-        # Handed out, copy may still run: (host, event, whether the device batch shares nothing
-        # with the host batch)
-        self.retiring: deque[tuple[Any, Event, bool]] = deque()
+        # Handed out, copy may still run: (host, event)
+        self.retiring: deque[tuple[Any, Event]] = deque()
         self.ahead: Any = _NONE  # taken from the loader, not copied yet
         self.ended = False
         # An error that used up no batch is queued: take nothing more from the loader until it
@@ -280,9 +281,11 @@ class _Prefetching:
                 self.taken += 1
                 self._handed_unseen(1)
                 try:
-                    batch = self._hand_over(*item)
+                    batch = self._hand_over(item)
                 finally:
                     self._tell()  # handed out, or its error raised in its place: not held here
+                del item  # (else this frame still held the host batch _retire lets go of)
+                self._retire_completed()
                 return batch
             if self.ended:
                 self.close()
@@ -294,6 +297,7 @@ class _Prefetching:
                     self.queue.append((host, *self.engine.copy(host)))
                 except Exception as e:  # noqa: BLE001 - raised at this batch's turn, in its place
                     self.queue.append(_LoaderError(e))
+                del host  # held in the queue alone (_retire)
             # Take the next host batch from the loader now, while the copy just issued runs
             # on the side stream: the loader's CPU time overlaps the DMA even when the consumer
             # waits for the whole device (torch.cuda.synchronize()) every step.
@@ -353,32 +357,36 @@ class _Prefetching:
         if rewindable is not None:
             rewindable(batches + self.depth + 2)
 
-    def _hand_over(self, host: Any, device_batch: Any, event: Event) -> Any:
-        try:
-            self.engine.hand_over(device_batch, event)
-        except BaseException:
-            self.retiring.append((host, event, False))  # its copy may still read the host batch
-            raise
-        self.retiring.append((host, event, _copied_whole(host, device_batch)))
+    def _hand_over(self, item: tuple[Any, Any, Event]) -> Any:
+        host, device_batch, event = item
+        self.retiring.append((host, event))  # its copy may still read the host batch
+        self.engine.hand_over(device_batch, event)
+        return device_batch
+
+    def _retire_completed(self) -> None:
+        """Let go of the host batches whose copies have completed. Host batches kept for
+        copies not done: the one handed out last, and at most one before it (its copy was
+        issued depth + 1 batches ago): wait for older ones, so that a device that falls behind
+        cannot make this hold the loader's memory unbounded."""
         while self.retiring and self.retiring[0][1].query():
             self._retire()
-        # Host batches kept for copies not done: the one handed out now, and at most one
-        # before it (its copy was issued depth + 1 batches ago): wait for older ones, so
-        # that a device that falls behind cannot make this hold the loader's memory unbounded.
         while len(self.retiring) > 2:
             self.retiring[0][1].synchronize()
             self._retire()
-        return device_batch
 
     def _retire(self) -> None:
-        host, _, whole = self.retiring.popleft()  # copy done: the host batch (its slot) may go
-        if self.done is not None and whole:
-            self.done(host)
+        """The oldest host batch's copy is done: let go of it. A shmloader loader gets the slots
+        of the views that die with it back at once, without the copy fence (``_copies_done``);
+        those still held elsewhere (the device batch, or whatever else kept the host batch) go
+        back when they die, as any."""
+        box = [self.retiring.popleft()[0]]
+        if self.done is not None:
+            self.done(box)
 
     def close(self) -> None:
         """Wait for every copy issued, then let go of the host batches (their slots may then
         be reused: no copy still reads them)."""
-        for _, event, _ in self.retiring:
+        for _, event in self.retiring:
             event.synchronize()
         for item in self.queue:
             if not isinstance(item, _LoaderError):
@@ -394,43 +402,3 @@ class _Prefetching:
 
     def __del__(self) -> None:
         self.close()
-
-
-def _copied_whole(host: Any, device_batch: Any) -> bool:
-    """Whether the device copy of ``host`` can share nothing with it: it is built of plain
-    containers only (dict, list, tuple, named tuples), strings and numbers, and tensors none of
-    which is one of ``host``'s. Anything else (a NumPy array, an object, a set, a mapping or
-    sequence of another kind) may reach the user still viewing the slot, so it keeps the batch
-    under the copy fence, as a batch the user holds."""
-    host_leaves = _plain_leaves(host)
-    leaves = _plain_leaves(device_batch)
-    if host_leaves is None or leaves is None:
-        return False
-    host_tensors = {id(t) for t in host_leaves}
-    return not any(id(t) in host_tensors for t in leaves)
-
-
-_PLAIN = (dict, list, tuple)
-_ATOMS = (int, float, complex, bool, str, bytes, type(None))
-
-
-def _plain_leaves(batch: Any) -> list[torch.Tensor] | None:
-    """The tensors of ``batch``, or None when it holds anything but plain containers, atoms and
-    tensors."""
-    out: list[torch.Tensor] = []
-    stack = [batch]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif type(x) in _ATOMS:
-            pass
-        elif type(x) in _PLAIN or (type(x) in (OrderedDict, defaultdict)):
-            stack.extend(x.values() if isinstance(x, dict) else x)
-            if isinstance(x, dict):
-                stack.extend(x.keys())
-        elif isinstance(x, tuple) and hasattr(x, "_fields") and not getattr(x, "__dict__", None):
-            stack.extend(x)
-        else:
-            return None
-    return out

@@ -243,6 +243,22 @@ def test_a_prefetchers_host_batches_skip_the_fence_once_its_own_copy_completed(m
     assert st.arena.slots_free == st.arena.slots_total
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_prefetchers_batches_whose_copies_complete_at_once_skip_the_fence(monkeypatch, depth):
+    # Review 50's fix gives the slots back only when the views die as the prefetcher lets go
+    # of the batch: its own frames must not still hold the batch then (a copy that completes
+    # before the hand-over retires the batch just handed out), or every slot took the fence.
+    from .test_prefetch import Done
+
+    events = FakeEvents()
+    loader, _ = fenced_loader(monkeypatch, events)
+    labels = [y.tolist() for _, y in DevicePrefetcher(loader, depth=depth, engine=Done())]
+    assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    assert events.records == 0 and events.waits == 0, "a prefetched slot went through the fence"
+    st = loader.stats()
+    assert st.arena.slots_free == st.arena.slots_total
+
+
 @frees_its_loaders_on_failure
 def test_at_the_cap_batches_freed_only_by_the_garbage_collector_pass_the_fence(monkeypatch):
     # Every batch dies inside a reference cycle, with automatic collection off: only unblock's

@@ -7,6 +7,7 @@ import torch
 
 import shmloader
 from shmloader.prefetch import _NONE, DevicePrefetcher, map_tensors
+from tests.lifetime_checks import frees_its_loaders_on_failure
 
 from .fakes import Squares
 
@@ -88,7 +89,7 @@ def test_a_host_batch_lives_until_its_copy_event_completes():
     it = iter(DevicePrefetcher(source(), depth=1, engine=engine))
     next(it)  # batch 0 handed over; its copy has not completed
     gc.collect()
-    refs = [weakref.ref(h) for h, _, _ in it.retiring]
+    refs = [weakref.ref(h) for h, _ in it.retiring]
     assert len(refs) == 1 and refs[0]() is not None
     engine.events[0].done = True
     next(it)  # the next hand-over retires batch 0, whose event has completed
@@ -399,3 +400,75 @@ def test_the_hand_over_marks_every_tensor_and_rebuilds_nothing(monkeypatch):
     assert consumer.waited == ["event"]
     assert sorted(i for i, _ in Recorded.log) == sorted(map(id, (a, b, c)))
     assert all(s is consumer for _, s in Recorded.log)
+
+
+# -- review 50: the slots of a host batch go back only once nothing holds a view of it ---------
+
+
+class Viewing(Done):
+    """A fast engine whose "device" copy is a view of the host tensor (``detach()``): another
+    tensor object over the same slot."""
+
+    def copy(self, batch):
+        ev = FakeEvent(self.log, len(self.events))
+        ev.done = True
+        self.events.append(ev)
+        return map_tensors(batch, torch.Tensor.detach), ev
+
+
+class KeepsEvery:
+    """A wrapper that forwards attributes to its loader (as accelerate's adapter does, so the
+    prefetcher finds the loader's hooks through it) and keeps every batch it yields."""
+
+    def __init__(self, loader):
+        self.loader, self.kept = loader, []
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.kept.append(batch)
+            yield batch
+
+
+class KeepingLoader(shmloader.DataLoader):
+    """A loader subclass whose ``__iter__`` keeps every batch it yields."""
+
+    def __iter__(self):
+        self.kept = []
+        for batch in super().__iter__():
+            self.kept.append(batch)
+            yield batch
+
+
+@pytest.mark.parametrize("holder", ["wrapper", "subclass"])
+@frees_its_loaders_on_failure
+def test_a_host_batch_kept_beside_the_prefetcher_is_never_overwritten(holder):
+    """Review 50: once a batch's copy completed the prefetcher gave its slots back, whatever
+    else held it: a wrapper that forwards to the loader, or a loader subclass, that kept the
+    batch then read later batches in it (27 of 32)."""
+    if holder == "wrapper":
+        source = KeepsEvery(shmloader.DataLoader(Rows(), batch_size=4, num_workers=2,
+                                                 prefetch_factor=1))  # fmt: skip
+    else:
+        source = KeepingLoader(Rows(), batch_size=4, num_workers=2, prefetch_factor=1)
+    out = [b[:, 0].tolist() for b in DevicePrefetcher(source, "cpu", depth=1, engine=Done())]
+    expected = [[4.0 * i + j for j in range(4)] for i in range(16)]
+    assert out == expected
+    assert [k[:, 0].tolist() for k in source.kept] == expected
+    source.kept.clear()
+    gc.collect()
+    loader = source.loader if holder == "wrapper" else source
+    assert loader.stats().batches_held == 0  # the slots came back once the views died
+
+
+@frees_its_loaders_on_failure
+def test_a_device_batch_that_views_the_slot_is_never_overwritten():
+    """Review 50: whether the device batch still views the slot was judged by the identity of
+    its tensors, so an engine whose copy is a view (another tensor object) had its batches'
+    slots given back under the user's views."""
+    loader = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, prefetch_factor=1)
+    kept = list(DevicePrefetcher(loader, "cpu", depth=1, engine=Viewing()))
+    assert [k[:, 0].tolist() for k in kept] == [[4.0 * i + j for j in range(4)]
+                                                for i in range(16)]  # fmt: skip
