@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
@@ -52,6 +53,9 @@ from shmloader._torch_compat import (
 from shmloader.dtypes import CODE_OF, NUMPY_DTYPE
 
 _session: SlotSession | None = None
+# The tensors :func:`empty` handed out inside a slot since the worker last looked
+# (:func:`kept_past_their_batch`): one a collate_fn keeps past its call shows later batches.
+HANDED: list[weakref.ref[torch.Tensor]] = []
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -219,7 +223,9 @@ def empty(
     padding), and shmloader carries them to the main process without another copy. Outside a
     shmloader worker it is exactly ``torch.empty``. Memory is uninitialised, as with
     ``torch.empty``: write every element you use. In a slot the tensor cannot grow
-    (``resize_`` past its size raises torch's error): allocate the size you need.
+    (``resize_`` past its size raises torch's error): allocate the size you need. The memory
+    is the batch's: do not keep the tensor past the collate's call (the slot is reused once the
+    batch is consumed; keep a ``.clone()``). A worker that finds one kept warns once.
 
     Accepted as in ``torch.empty``: the size as ints or one sequence (or ``size=``), ``dtype=``,
     ``device=`` (CPU only: a slot is host memory). ``out``, ``layout``, ``memory_format``,
@@ -255,9 +261,23 @@ def empty(
         )
     shape = _shape(size)
     dt = torch.get_default_dtype() if dtype is None else dtype
-    if _session is None:
+    session = _session
+    if session is None:
         return torch.empty(shape, dtype=dt)
-    return _session.empty(shape, dt)
+    out = session.empty(shape, dt)
+    if not out.is_meta and out.numel() and session.holds(out.data_ptr(), 1):
+        HANDED.append(weakref.ref(out))
+    return out
+
+
+def kept_past_their_batch() -> int:
+    """How many of the slot tensors :func:`empty` handed out since the last call are still
+    alive; forgets them all. The worker asks once a task's batch is out of its hands: one
+    alive then is kept by the user's code (review 50), and its bytes change once the main
+    process is done with the batch and the slot is reused."""
+    alive = sum(ref() is not None for ref in HANDED)
+    HANDED.clear()
+    return alive
 
 
 def _collate_tensor_in_slot(

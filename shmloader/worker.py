@@ -47,6 +47,7 @@ import random
 import select
 import signal
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -66,7 +67,7 @@ from shmloader._torch_compat import (
     set_worker_info,
     wrap_current_exception,
 )
-from shmloader.collate import SlotSession, SlotView
+from shmloader.collate import HANDED, SlotSession, SlotView, kept_past_their_batch
 from shmloader.frames import FrameReader, framed
 from shmloader.pack import Packed, used_bytes
 from shmloader.rngstate import RngRing, restore
@@ -171,6 +172,7 @@ class _Worker:
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
+        self.warned_kept = False  # warn_if_kept
         self.fetcher: Any = None
         # An IterableDataset replica with torchdata's Stateful protocol reports its state_dict()
         # after every batch (REPLICA), for DataLoader.state_dict().
@@ -359,6 +361,8 @@ class _Worker:
                     continue  # torch's workers skip tasks once their replica is exhausted
                 else:
                     self.run_task(msg)
+                    if HANDED:
+                        self.warn_if_kept()
             elif isinstance(msg, P.Resume):
                 self.iteration_end = False
                 if isinstance(self.dataset, IterDataPipe) and msg.shared_seed is not None:
@@ -366,6 +370,23 @@ class _Worker:
                 if self.init_error is None:
                     self.make_fetcher()
             # ATTACH, DETACH, GRANT, DENY and REVOKE were applied when read.
+
+    def warn_if_kept(self) -> None:
+        """Once per worker: the collate_fn kept a tensor :func:`shmloader.empty` put in its
+        batch's slot past its call (review 50: torch's would stay as it was; ours shows a later
+        batch once the slot is reused)."""
+        kept = kept_past_their_batch()
+        if kept and not self.warned_kept:
+            self.warned_kept = True
+            warnings.warn(
+                f"{self.where()}: the collate_fn kept {kept} tensor(s) that shmloader.empty() "
+                "allocated in its batch's slot after returning the batch. That memory is the "
+                "batch's: once the main process is done with the batch its slot is reused, and "
+                "what was kept shows a later batch's bytes. Keep a copy (.clone()) instead, or "
+                "allocate what you keep with torch.empty",
+                UserWarning,
+                stacklevel=1,
+            )
 
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's

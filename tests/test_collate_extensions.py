@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 import shmloader
+from tests.lifetime_checks import frees_its_loaders_on_failure
 
 TIMEOUT = 60
 
@@ -231,3 +232,43 @@ def test_a_named_tuple_subclass_with_its_own_new_is_collated_once() -> None:
     meta placeholders: "Tensor.item() cannot be called on meta tensors"."""
     theirs, ours = _both(CheckedSamples(), batch_size=4)
     assert _same(theirs, ours) and type(ours[0]) is Checked
+
+
+class KeepsItsOutputs:
+    """A collate_fn that stacks into ``shmloader.empty`` and keeps what it returns (a pool of
+    earlier batches, for mixup), or a copy of it (``clone``); each batch reports how many of
+    the kept ones changed since."""
+
+    def __init__(self, clone: bool) -> None:
+        self.clone = clone
+        self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, samples: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        out = shmloader.empty((len(samples), *samples[0].shape), dtype=samples[0].dtype)
+        torch.stack(samples, out=out)
+        changed = sum(not torch.equal(kept, copy) for kept, copy in self.pool)
+        kept = out.clone() if self.clone else out
+        self.pool.append((kept, out.clone()))
+        return out, changed
+
+
+@pytest.mark.parametrize("clone", [False, True], ids=["kept", "cloned"])
+@frees_its_loaders_on_failure
+def test_a_collate_that_keeps_what_shmloader_empty_gave_it_is_warned(
+    clone: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Review 50: ``shmloader.empty`` is the batch's slot, reused once the batch is consumed: a
+    collate_fn that keeps it past its call (under torch, its own memory) saw later batches in
+    it, silently. The worker now says so, once; the README says to keep a copy. (A spawned
+    worker: a forked one inherits pytest's warning capture, which records the warning unseen.)"""
+    data = [torch.full((1024,), float(i)) for i in range(40)]
+    loader = shmloader.DataLoader(data, batch_size=2, num_workers=1, prefetch_factor=1,
+                                  collate_fn=KeepsItsOutputs(clone), timeout=TIMEOUT,
+                                  multiprocessing_context="spawn")  # fmt: skip
+    changed = [c for _, c in loader]
+    err = capfd.readouterr().err
+    warned = "the collate_fn kept 1 tensor(s) that shmloader.empty() allocated"
+    if clone:
+        assert changed == [0] * 20 and warned not in err
+    else:
+        assert err.count(warned) == 1, err
