@@ -53,11 +53,12 @@ from shmloader.progress import SamplerProgress, last_logged
 from shmloader.sampling import fast_batches
 from shmloader.startup import start_workers
 from shmloader.state import EpochStart, skip_consumed, untouched_rngs
+from shmloader.unseen import HeldUnseen
 
 HostFor = Callable[[bool, str | None], ArenaHost]  # (pin_memory, pin_memory_device) -> host
 
 
-class ShmDataLoaderIter(NextBatch):
+class ShmDataLoaderIter(NextBatch, HeldUnseen):
     """Iterates over a DataLoader with worker processes writing into a shared-memory arena."""
 
     def __init__(
@@ -156,9 +157,7 @@ class ShmDataLoaderIter(NextBatch):
             self._num_yielded = skip
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
-            self.ahead = 0
-            self.end_unseen = False
-            self._count_unseen = False  # until a DevicePrefetcher pass over this epoch says
+            self._reset_unseen()  # until a DevicePrefetcher pass over this epoch registers
             if self._rewind_keep:  # a DevicePrefetcher's batches ahead: see rewindable()
                 self._at.log = deque(maxlen=self._rewind_keep)
                 self._progress.undo = deque(maxlen=self._rewind_keep)
@@ -244,21 +243,3 @@ class ShmDataLoaderIter(NextBatch):
         """Batches of the epoch taken so far, yielded or raised (an error that took none, a
         timeout or the cap's, leaves it): a DevicePrefetcher tells the two kinds apart."""
         return self._at.count
-
-    def _taken_unseen(self, counting: bool = True) -> None:
-        """A consumer (a ``DevicePrefetcher`` pass) takes this epoch's batches: each counts as
-        held unseen from the moment ``next()`` hands it out (under the lock a checkpoint
-        thread's state waits for) until the consumer says how many it holds
-        (``_batches_ahead``). Else a state taken in between counted it as seen: the resume
-        skipped it (review 48). ``counting=False``: the consumer is gone (its pass closed),
-        and what it held, the user never gets from it: the loop goes on without it (review
-        49: each plain ``next()`` after an abandoned pass counted as unseen)."""
-        self._count_unseen = counting
-        if not counting:
-            self.ahead, self.end_unseen = 0, False
-
-    def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
-        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and
-        maybe (``end_unseen``) the epoch's end, found ahead of its user: ``state_dict()`` counts
-        them as not consumed, and the epoch as not over."""
-        self.ahead, self.end_unseen = batches, end_unseen

@@ -61,8 +61,8 @@ class NextBatch(_BaseDataLoaderIter):
     _ended: bool  # the epoch has ended (StopIteration raised)
     failure: str | None  # why the iterator is unusable; None while it is usable
     _safe: bool  # whether an interruption of next() now leaves nothing half done
-    ahead: int  # batches a consumer (a DevicePrefetcher) holds unseen (_batches_ahead)
-    _count_unseen: bool  # a batch handed out counts as held unseen (_taken_unseen)
+    ahead: int  # batches a consumer (a DevicePrefetcher) holds unseen (shmloader.unseen)
+    _count_unseen: bool  # a batch handed out counts as held unseen (shmloader.unseen)
 
     def __next__(self) -> Any:
         # torch's __next__ wraps every batch in a profiler range, which costs about 10 us even

@@ -233,8 +233,9 @@ class _Prefetching:
         # What a prefetcher over this one holds unseen (_batches_ahead), counted with ours.
         self.outer: tuple[int, bool] = (0, False)
         # Such a prefetcher takes this pass's batches: each handed out counts in ``outer``
-        # until it says how many it holds (_taken_unseen)
+        # until it says how many it holds (_taken_unseen); the pass of it that counts
         self.count_unseen = False
+        self.outer_by: int | None = None  # (its id: shmloader.unseen)
         loader = owner.loader
         will_hold = getattr(loader, "_consumer_will_hold", None)
         if will_hold is not None:  # a shmloader DataLoader: slots for what is held here
@@ -250,13 +251,14 @@ class _Prefetching:
         self.rewindable(0)
         # A shmloader iterator counts what is held here unseen, for its loader's state_dict()
         # (per iterator: two prefetchers over one loader keep their own counts).
-        self.tell_ahead: Callable[[int, bool], None] | None = getattr(
+        # (as this pass: with persistent workers, other passes have the same iterator)
+        self.tell_ahead: Callable[[int, bool, object], None] | None = getattr(
             self.source, "_batches_ahead", None
         )
         # ... from the moment it hands one out: a state_dict() before _tell() counts it
         taken_unseen = getattr(self.source, "_taken_unseen", None)
         if taken_unseen is not None:
-            taken_unseen()
+            taken_unseen(True, self)
         # How many batches the source has used up, errors included (a shmloader iterator, or a
         # prefetcher's pass): whether an error it raises used one up.
         self.source_taken: Callable[[], int] | None = getattr(
@@ -320,13 +322,15 @@ class _Prefetching:
         if self.tell_ahead is not None:
             held = sum(not isinstance(i, _LoaderError) or i.consumed for i in self.queue)
             held += (self.ahead is not _NONE) + self.outer[0]
-            self.tell_ahead(held, (self.ended and not self.end_raised) or self.outer[1])
+            self.tell_ahead(held, (self.ended and not self.end_raised) or self.outer[1], self)
 
-    def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
-        """A prefetcher over this one holds ``batches`` of this pass's, unseen by the user (and
-        maybe the end): the shmloader iterator behind is told of them with those held here."""
-        self.outer = (batches, end_unseen)
-        self._tell()
+    def _batches_ahead(self, batches: int, end_unseen: bool = False, by: object = None) -> None:
+        """A prefetcher's pass ``by`` over this one holds ``batches`` of this pass's, unseen by
+        the user (and maybe the end): the shmloader iterator behind is told of them with those
+        held here. Ignored from a pass that is not the one counting (shmloader.unseen)."""
+        if id(by) == self.outer_by:
+            self.outer = (batches, end_unseen)
+            self._tell()
 
     def _handed_unseen(self, batches: int) -> None:
         """``batches`` handed to a prefetcher over this one that counts them held unseen from
@@ -334,14 +338,18 @@ class _Prefetching:
         if self.count_unseen and batches:
             self.outer = (self.outer[0] + batches, self.outer[1])
 
-    def _taken_unseen(self, counting: bool = True) -> None:
-        """A prefetcher over this one takes this pass's batches: as the shmloader iterator's
-        :meth:`shmloader.epoch.ShmDataLoaderIter._taken_unseen`, each counts as held unseen
-        from the moment it is handed out, else a checkpoint thread's state during the outer
-        one's first steps skipped them (review 49). ``counting=False``: that prefetcher's pass
-        is closed, and what it held is dropped."""
-        self.count_unseen = counting
-        if not counting:
+    def _taken_unseen(self, counting: bool = True, by: object = None) -> None:
+        """A prefetcher's pass ``by`` over this one takes this pass's batches: as a shmloader
+        iterator's (:mod:`shmloader.unseen`), each counts as held unseen from the moment it is
+        handed out, else a checkpoint thread's state during the outer one's first steps
+        skipped them (review 49). ``counting=False``: that pass is closed, and what it held is
+        dropped."""
+        if counting:
+            self.count_unseen, self.outer_by = True, id(by)
+            self.outer = (0, False)  # (an earlier pass's count: shmloader.unseen)
+            self._tell()
+        elif id(by) == self.outer_by:
+            self.count_unseen = False
             self.outer = (0, False)
             self._tell()
 
@@ -398,7 +406,7 @@ class _Prefetching:
         # has no source)
         taken_unseen = getattr(getattr(self, "source", None), "_taken_unseen", None)
         if taken_unseen is not None:
-            taken_unseen(False)
+            taken_unseen(False, self)
 
     def __del__(self) -> None:
         self.close()

@@ -25,21 +25,20 @@ from shmloader._torch_compat import ITERABLE_KIND
 from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import last_logged
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
+from shmloader.unseen import HeldUnseen
 
 _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoaderIter
 
 
-class SingleProcessIter(_SingleProcessDataLoaderIter):
+class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         # next() and state_dict() one thread at a time: a checkpoint thread's state waits for
         # the fetch under way (the sampler draws and the dataset's global RNG draws of a batch
         # are either all in the state or none of them; review 45)
         self._lock = threading.RLock()
         reset_after_fork(self)
-        self._count_unseen = False  # _taken_unseen()
+        self._reset_unseen()  # what a DevicePrefetcher pass holds unseen (shmloader.unseen)
         self._consumed = 0
-        self.ahead = 0  # batches a DevicePrefetcher took and holds unseen (_batches_ahead)
-        self.end_unseen = False  # ... and whether it found the epoch's end ahead of its user
         # While a DevicePrefetcher holds batches unseen: the global RNGs before each fetch, so
         # that a state saved behind them resumes from before their draws (rewindable()).
         self._rngs_before: deque[bytes] | None = None
@@ -145,20 +144,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self.ahead += 1
         return data
 
-    def _taken_unseen(self, counting: bool = True) -> None:
-        """As :meth:`shmloader.epoch.ShmDataLoaderIter._taken_unseen`."""
-        self._count_unseen = counting
-        if not counting:
-            self.ahead, self.end_unseen = 0, False
-
     def _batches_taken(self) -> int:
         """Batches of the epoch drawn so far, yielded or raised (for a DevicePrefetcher)."""
         return self._consumed
-
-    def _batches_ahead(self, batches: int, end_unseen: bool = False) -> None:
-        """A consumer (``DevicePrefetcher``) holds ``batches`` of this iterator's, unseen, and
-        maybe the epoch's end."""
-        self.ahead, self.end_unseen = batches, end_unseen
 
     @one_thread("state_dict()")
     def resume_state(self) -> dict[str, Any] | None:

@@ -908,6 +908,91 @@ def test_the_inner_prefetcher_after_an_abandoned_outer_pass_saves_where_its_user
     assert [batch_bytes(b) for b in resumed] == rest
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["one prefetcher", "nested"])
+@pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent"])
+@frees_its_loaders_on_failure
+def test_an_older_pass_dropped_after_a_newer_one_began_leaves_its_count_alone(
+    case: str, nested: bool
+) -> None:
+    """Review 51: with persistent workers every pass has the same iterator, and an older pass
+    dropped after a newer one began (``it = iter(prefetcher)`` each epoch) turned the newer
+    one's counting off and its count to 0: a state saved then resumed past the batches the
+    newer pass held (3 of them; 5 nested)."""
+    make = PREFETCHED[case]
+    seed_all(0)
+    loader = make()
+
+    def prefetched() -> DevicePrefetcher[Any]:
+        inner = DevicePrefetcher(loader, "cuda", depth=2, engine=CloningEngine())
+        return DevicePrefetcher(inner, "cuda", depth=1, engine=CloningEngine()) if nested else inner
+
+    old = iter(prefetched())
+    for _ in range(3):
+        next(old)  # epoch 0 left early, its pass still referenced
+    new = iter(prefetched())
+    for _ in range(2):
+        next(new)
+    del old
+    gc.collect()
+    state = roundtrip(loader.state_dict())
+    rest = [batch_bytes(b) for b in new]
+    assert (state["epoch"], state["yielded"]) == (1, 2)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [batch_bytes(b) for b in resumed] == rest
+
+
+class SavesAtCopy(CloningEngine):
+    """A copy engine whose ``at``-th copy waits for a checkpoint thread's ``state_dict()``,
+    noting how many batches the user had seen then."""
+
+    def __init__(self, loader: DataLoader[Any], seen: list[bytes], at: int) -> None:
+        self.loader, self.seen, self.at, self.copies = loader, seen, at, 0
+        self.saved: tuple[int, dict[str, Any]] | None = None
+
+    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
+        self.copies += 1
+        if self.copies == self.at:
+            out: list[dict[str, Any]] = []
+            thread = threading.Thread(target=lambda: out.append(self.loader.state_dict()))
+            thread.start()
+            thread.join(TIMEOUT)
+            assert out, "the checkpoint thread's state_dict() did not return"
+            self.saved = (len(self.seen), roundtrip(out[0]))
+        return super().copy(batch)
+
+
+@pytest.mark.parametrize("at", [1, 3])
+@pytest.mark.parametrize("case", ["0 workers", "2 workers"])
+@frees_its_loaders_on_failure
+def test_a_second_outer_pass_over_one_inner_pass_counts_from_its_own_start(
+    case: str, at: int
+) -> None:
+    """Review 52: the user leaves an outer pass for a second one over the same inner pass, and
+    drops the first after the second began. The first one's close turned the second one's
+    counting off, and before that its last count stayed with the second one's: a checkpoint
+    thread's state resumed 3 batches past the user's, or 2 before. What the first pass still
+    held, the user never gets (as after a ``break``)."""
+    make = PREFETCHED[case]
+    seed_all(0)
+    loader = make()
+    seen: list[bytes] = []
+    inner = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+    first = iter(DevicePrefetcher(inner, "cuda", depth=1, engine=CloningEngine()))
+    for _ in range(2):
+        seen.append(batch_bytes(next(first)))
+    engine = SavesAtCopy(loader, seen, at)
+    second = iter(DevicePrefetcher(inner, "cuda", depth=2, engine=engine))
+    del first
+    gc.collect()
+    seen += [batch_bytes(b) for b in second]
+    assert engine.saved is not None
+    users, state = engine.saved
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [batch_bytes(b) for b in resumed] == seen[users:]
+
+
 def test_a_forked_child_saves_the_num_workers_0_epoch_it_goes_on_with() -> None:
     """Review 49: with num_workers=0 an os.fork() child goes on with the iterator it
     inherited, and its state_dict() said the epoch had ended (the fork-to-snapshot pattern
