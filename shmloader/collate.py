@@ -53,9 +53,11 @@ from shmloader._torch_compat import (
 from shmloader.dtypes import CODE_OF, NUMPY_DTYPE
 
 _session: SlotSession | None = None
-# The tensors :func:`empty` handed out inside a slot since the worker last looked
-# (:func:`kept_past_their_batch`): one a collate_fn keeps past its call shows later batches.
-HANDED: list[weakref.ref[torch.Tensor]] = []
+# The slot memory :func:`empty` handed out since the worker last took them (:func:`take_handed`),
+# as weak references to the arrays the tensors' storages hold (a view, ``detach()`` or
+# ``numpy()`` of a tensor keeps its storage, not the tensor object): kept past its batch by the
+# user's code, that memory shows later batches.
+HANDED: list[weakref.ref[np.ndarray]] = []
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -110,9 +112,12 @@ class SlotSession:
         self.placeholders: set[int] = set()  # ids of the meta tensors planning handed out
         self._lock = threading.Lock()
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype, plan: bool = False) -> torch.Tensor:
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, plan: bool = False, watch: bool = False
+    ) -> torch.Tensor:
         """An uninitialised tensor inside the slot if it fits; else, with ``plan``, a ``meta``
-        tensor (the session is then ``planned``), otherwise one in private memory."""
+        tensor (the session is then ``planned``), otherwise one in private memory. ``watch``:
+        one in the slot is recorded in :data:`HANDED` (the public :func:`empty`'s)."""
         nbytes = math.prod(shape) * dtype.itemsize
         off = None
         if self.bytes is not None and dtype in CODE_OF and nbytes > 0 and not self.planned:
@@ -126,7 +131,11 @@ class SlotSession:
             raw = self.array[off : off + nbytes]  # type: ignore[index]
             npdtype = NUMPY_DTYPE.get(dtype)
             if npdtype is not None:
-                return torch.from_numpy(raw.view(npdtype).reshape(tuple(shape)))
+                raw = raw.view(npdtype).reshape(tuple(shape))
+            if watch:
+                HANDED.append(weakref.ref(raw))  # alive while the tensor's storage is
+            if npdtype is not None:
+                return torch.from_numpy(raw)
             return torch.from_numpy(raw).view(dtype).view(tuple(shape))
         if nbytes == 0 or dtype not in CODE_OF:
             return torch.empty(tuple(shape), dtype=dtype)
@@ -261,23 +270,20 @@ def empty(
         )
     shape = _shape(size)
     dt = torch.get_default_dtype() if dtype is None else dtype
-    session = _session
-    if session is None:
+    if _session is None:
         return torch.empty(shape, dtype=dt)
-    out = session.empty(shape, dt)
-    if not out.is_meta and out.numel() and session.holds(out.data_ptr(), 1):
-        HANDED.append(weakref.ref(out))
-    return out
+    return _session.empty(shape, dt, watch=True)
 
 
-def kept_past_their_batch() -> int:
-    """How many of the slot tensors :func:`empty` handed out since the last call are still
-    alive; forgets them all. The worker asks once a task's batch is out of its hands: one
-    alive then is kept by the user's code (review 50), and its bytes change once the main
-    process is done with the batch and the slot is reused."""
-    alive = sum(ref() is not None for ref in HANDED)
-    HANDED.clear()
-    return alive
+def take_handed() -> list[weakref.ref[np.ndarray]] | None:
+    """The slot memory :func:`empty` handed out since the last call (None: none), forgotten
+    here. The worker takes them as a task starts and looks after its fetch: any still alive
+    then is kept by the user's code past its batch (review 50)."""
+    if not HANDED:
+        return None
+    taken = HANDED[:]
+    del HANDED[: len(taken)]
+    return taken
 
 
 def _collate_tensor_in_slot(

@@ -235,40 +235,100 @@ def test_a_named_tuple_subclass_with_its_own_new_is_collated_once() -> None:
 
 
 class KeepsItsOutputs:
-    """A collate_fn that stacks into ``shmloader.empty`` and keeps what it returns (a pool of
-    earlier batches, for mixup), or a copy of it (``clone``); each batch reports how many of
-    the kept ones changed since."""
+    """A collate_fn that stacks into ``shmloader.empty`` and keeps something of what it returns
+    (a pool of earlier batches, for mixup): the tensor, its ``numpy()`` or ``detach()``, a
+    ``clone()``, or nothing but a reference cycle through the batch (``cycle``: it dies at the
+    next collection). Each batch reports how many kept ones changed since."""
 
-    def __init__(self, clone: bool) -> None:
-        self.clone = clone
-        self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def __init__(self, keep: str) -> None:
+        self.keep = keep
+        self.pool: list[tuple[Any, torch.Tensor]] = []
 
-    def __call__(self, samples: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def __call__(self, samples: list[torch.Tensor]) -> Any:
         out = shmloader.empty((len(samples), *samples[0].shape), dtype=samples[0].dtype)
         torch.stack(samples, out=out)
-        changed = sum(not torch.equal(kept, copy) for kept, copy in self.pool)
-        kept = out.clone() if self.clone else out
+        changed = sum(not torch.equal(torch.as_tensor(kept), copy) for kept, copy in self.pool)
+        if self.keep == "cycle":
+            box: dict[str, Any] = {"x": out}
+            box["self"] = box
+            return out, changed
+        kept = {"tensor": out, "numpy()": out.numpy(), "detach()": out.detach(),
+                "clone()": out.clone()}[self.keep]  # fmt: skip
         self.pool.append((kept, out.clone()))
         return out, changed
 
 
-@pytest.mark.parametrize("clone", [False, True], ids=["kept", "cloned"])
+class MadeInAGenerator(torch.utils.data.IterableDataset[torch.Tensor]):
+    """Whole batches (``batch_size=None``) made in ``shmloader.empty`` by a generator, which
+    still names the last one until it is resumed; it keeps none."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(20):
+            out = shmloader.empty((2, 1024), dtype=torch.float32)
+            out.fill_(float(i))
+            yield out
+
+
+WARNED = "shmloader.empty() allocated in an earlier batch's slot are still alive"
+
+
+@pytest.mark.parametrize("keep", ["tensor", "numpy()", "detach()", "clone()", "cycle", "generator"])
 @frees_its_loaders_on_failure
-def test_a_collate_that_keeps_what_shmloader_empty_gave_it_is_warned(
-    clone: bool, capfd: pytest.CaptureFixture[str]
+def test_memory_of_shmloader_empty_kept_past_its_batch_is_warned_once(
+    keep: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Review 50: ``shmloader.empty`` is the batch's slot, reused once the batch is consumed: a
     collate_fn that keeps it past its call (under torch, its own memory) saw later batches in
-    it, silently. The worker now says so, once; the README says to keep a copy. (A spawned
-    worker: a forked one inherits pytest's warning capture, which records the warning unseen.)"""
+    it, silently. The worker now says so, once; the README says to keep a copy. Review 52: a
+    kept ``numpy()`` or ``detach()`` went unseen, and a batch that dies only at a collection,
+    or a generator's last batch, was warned of. (A spawned worker: a forked one inherits
+    pytest's warning capture, which records the warning unseen.)"""
+    if keep == "generator":
+        dataset: Any = MadeInAGenerator()
+        kw: dict[str, Any] = {"batch_size": None}
+    else:
+        dataset = [torch.full((1024,), float(i)) for i in range(40)]
+        kw = {"batch_size": 2, "collate_fn": KeepsItsOutputs(keep)}
+    loader = shmloader.DataLoader(dataset, num_workers=1, prefetch_factor=1, timeout=TIMEOUT,
+                                  multiprocessing_context="spawn", **kw)  # fmt: skip
+    batches = list(loader)
+    err = capfd.readouterr().err
+    assert len(batches) == 20
+    if keep in ("tensor", "numpy()", "detach()"):
+        assert err.count(WARNED) == 1, err
+    else:
+        assert "shmloader.empty() allocated" not in err, err  # no warning of this kind at all
+    if keep in ("clone()", "cycle"):
+        assert [changed for _, changed in batches] == [0] * 20
+
+
+class WarningsAsErrors:
+    """A ``worker_init_fn`` that turns warnings into errors in the worker (``-W error``)."""
+
+    def __call__(self, worker_id: int) -> None:
+        import warnings
+
+        warnings.simplefilter("error")
+
+
+@frees_its_loaders_on_failure
+def test_with_warnings_as_errors_the_kept_memory_fails_a_batch_not_the_worker() -> None:
+    """Review 52: under ``-W error`` the warning killed the worker ("exited unexpectedly", the
+    details lost); raised from the batch being fetched, it reaches the user at that batch's
+    turn, and the loader goes on, as after a dataset's error."""
     data = [torch.full((1024,), float(i)) for i in range(40)]
     loader = shmloader.DataLoader(data, batch_size=2, num_workers=1, prefetch_factor=1,
-                                  collate_fn=KeepsItsOutputs(clone), timeout=TIMEOUT,
-                                  multiprocessing_context="spawn")  # fmt: skip
-    changed = [c for _, c in loader]
-    err = capfd.readouterr().err
-    warned = "the collate_fn kept 1 tensor(s) that shmloader.empty() allocated"
-    if clone:
-        assert changed == [0] * 20 and warned not in err
-    else:
-        assert err.count(warned) == 1, err
+                                  collate_fn=KeepsItsOutputs("tensor"), timeout=TIMEOUT,
+                                  worker_init_fn=WarningsAsErrors())  # fmt: skip
+    it = iter(loader)
+    got, errors = 0, []
+    while True:
+        try:
+            next(it)
+            got += 1
+        except StopIteration:
+            break
+        except UserWarning as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and WARNED in errors[0]
+    assert got == 19
