@@ -400,13 +400,15 @@ class Supervisor:
         deadline = time.monotonic() + JOIN_S
         for wid in range(len(self.procs)):
             self._wait_exit(wid, deadline - time.monotonic())
-        for wid, p in enumerate(self.procs):
-            if p.exitcode is None:
-                p.terminate()
-                self._wait_exit(wid, KILL_S)
-            if p.exitcode is None:
-                p.kill()
-                self._wait_exit(wid, KILL_S)
+        # Each step to every worker left at once, then one bound for all of them: a teardown
+        # with N deaf workers takes 2 * KILL_S, not N times that (review 51).
+        for step in ("terminate", "kill"):
+            left = [wid for wid, p in enumerate(self.procs) if p.exitcode is None]
+            for wid in left:
+                getattr(self.procs[wid], step)()
+            deadline = time.monotonic() + KILL_S
+            for wid in left:
+                self._wait_exit(wid, deadline - time.monotonic())
         # Their descriptor numbers may name the user's files from now on: never poll, read or
         # write them again.
         self._closed = True

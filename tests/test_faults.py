@@ -814,3 +814,40 @@ class _Drain:
     def __next__(self) -> None:
         self.body()
         raise AssertionError("the epoch ended although a worker was killed")
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def test_teardown_signals_every_deaf_worker_before_it_waits_for_any() -> None:
+    """Review 51: teardown sent SIGTERM to a worker that ignored STOP and waited KILL_S for it
+    before it signalled the next, so N deaf workers took N times as long to end (two workers
+    stuck in their dataset and ignoring SIGTERM: 5.5 s at exit). Now each step goes to every
+    worker left, then one bound covers them all."""
+    gates = {0: Gate(), 1: Gate()}
+    loader = shmloader.DataLoader(TwoGates(8, gates), batch_size=1, num_workers=2,
+                                  worker_init_fn=_ignore_sigterm, timeout=WAIT_S)  # fmt: skip
+    it = iter(loader)
+    pids = {gates[0].wait_reached(), gates[1].wait_reached()}  # both stuck in __getitem__
+    sup = it._sup
+    assert {p.pid for p in sup.procs} == pids
+    log: list[tuple[str, int]] = []
+    wait = sup._wait_exit
+
+    def logged_wait(wid: int, timeout: float) -> None:
+        log.append(("wait", wid))
+        wait(wid, timeout)
+
+    sup._wait_exit = logged_wait  # type: ignore[method-assign]
+    for wid, p in enumerate(sup.procs):
+        for step in ("terminate", "kill"):
+            signal_it = getattr(p, step)
+            setattr(p, step, lambda s=signal_it, w=wid, n=step: (log.append((n, w)), s())[1])
+    it._shutdown_workers()
+    assert all(p.exitcode == -signal.SIGKILL for p in sup.procs)
+    after_stop = log[log.index(("terminate", 0)) :]
+    assert after_stop == [
+        ("terminate", 0), ("terminate", 1), ("wait", 0), ("wait", 1),
+        ("kill", 0), ("kill", 1), ("wait", 0), ("wait", 1),
+    ]  # fmt: skip
