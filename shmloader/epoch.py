@@ -239,6 +239,13 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         self._at.log = deque(self._at.log or (), maxlen=keep)
         self._rngs_before = deque(self._rngs_before or (), maxlen=keep)
 
+    def _copies_done(self, box: list[Any]) -> None:
+        """As :meth:`shmloader.DataLoader._copies_done`, for a ``DevicePrefetcher`` given this
+        iterator (or a wrapper whose ``iter()`` is it) rather than the loader (review 52: every
+        slot went through the copy fence)."""
+        self._leases.let_go(box)
+        box.clear()
+
     def _batches_taken(self) -> int:
         """Batches of the epoch taken so far, yielded or raised (an error that took none, a
         timeout or the cap's, leaves it): a DevicePrefetcher tells the two kinds apart."""

@@ -242,8 +242,11 @@ class _Prefetching:
             will_hold(owner.depth + 2)
         self.depth = owner.depth
         self.engine = engine
-        self.done: Callable[[Any], None] | None = getattr(loader, "_copies_done", None)
         self.source = iter(loader)
+        # (the loader's, or its iterator's when given that, or a wrapper whose iter() is it)
+        self.done: Callable[[list[Any]], None] | None = getattr(
+            loader, "_copies_done", None
+        ) or getattr(self.source, "_copies_done", None)
         # Also over a shmloader iterator the loader did not size (the prefetcher was given
         # iter(loader), or a wrapper whose iter() returns it; review 37), its state_dict()
         # rewinds what is held here. (Such a loader's slabs keep their slot count: the arena

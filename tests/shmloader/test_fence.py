@@ -243,16 +243,35 @@ def test_a_prefetchers_host_batches_skip_the_fence_once_its_own_copy_completed(m
     assert st.arena.slots_free == st.arena.slots_total
 
 
+class _Wrapper:
+    """A framework's thin wrapper of a loader: its ``iter()`` is the loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+SOURCES = {"the loader": lambda loader: loader, "iter(loader)": iter, "a wrapper": _Wrapper}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
 @pytest.mark.parametrize("depth", [1, 2])
-def test_a_prefetchers_batches_whose_copies_complete_at_once_skip_the_fence(monkeypatch, depth):
+def test_a_prefetchers_batches_whose_copies_complete_at_once_skip_the_fence(
+    monkeypatch, depth, source
+):
     # Review 50's fix gives the slots back only when the views die as the prefetcher lets go
     # of the batch: its own frames must not still hold the batch then (a copy that completes
     # before the hand-over retires the batch just handed out), or every slot took the fence.
+    # Review 52: given the loader's iterator (or a wrapper), it found no _copies_done, and
+    # every slot went through the fence.
     from .test_prefetch import Done
 
     events = FakeEvents()
     loader, _ = fenced_loader(monkeypatch, events)
-    labels = [y.tolist() for _, y in DevicePrefetcher(loader, depth=depth, engine=Done())]
+    given = SOURCES[source](loader)
+    labels = [y.tolist() for _, y in DevicePrefetcher(given, depth=depth, engine=Done())]
     assert labels == [list(range(i, i + 4)) for i in range(0, 64, 4)]
     assert events.records == 0 and events.waits == 0, "a prefetched slot went through the fence"
     st = loader.stats()
