@@ -63,6 +63,7 @@ class NextBatch(_BaseDataLoaderIter):
     _safe: bool  # whether an interruption of next() now leaves nothing half done
     ahead: int  # batches a consumer (a DevicePrefetcher) holds unseen (shmloader.unseen)
     _count_unseen: bool  # a batch handed out counts as held unseen (shmloader.unseen)
+    _torn_by_fork = False  # inherited half-way through another thread's step (onethread)
 
     def __next__(self) -> Any:
         # torch's __next__ wraps every batch in a profiler range, which costs about 10 us even

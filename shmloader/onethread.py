@@ -15,7 +15,10 @@ A process forked while another thread holds one of these locks (a checkpoint thr
 :func:`reset_after_fork` have their ``_lock`` and ``_state_lock`` made free again in the child,
 unless the forking thread itself holds them and the child goes on from the fork (``os.fork()``:
 it returns through the frames that release them). A ``multiprocessing`` child never returns
-there (it runs its target and exits), so it frees those too.
+there (it runs its target and exits), so it frees those too. An iterator whose ``_lock``
+another thread held at the fork is half-way through that thread's step in the child: there
+its decorated methods raise (``_torn_by_fork``; review 51: a fork-to-snapshot child's
+``state_dict()`` described half a batch); ``iter(loader)`` starts a new one.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def inside(obj: Any) -> bool:
     return bool(obj._lock._is_owned() or obj._busy_here())
 
 
+def torn(what: str) -> RuntimeError:
+    """The error of ``what`` on an iterator another thread was inside when this process forked."""
+    return RuntimeError(
+        f"{what} on a DataLoader iterator inherited through fork(): the process forked while "
+        "another thread was inside this iterator's next() or state_dict(), so here it is "
+        "half-way through that step (its sampler position, counts and RNG draws). Fork between "
+        "steps (or take loader.state_dict() before forking and pass it on), or call "
+        "iter(loader) here for a new epoch."
+    )
+
+
 def one_thread(what: str) -> Callable[[F], F]:
     """Run the method under ``self._lock`` (the object also has ``_busy_here()``); ``what``
     names it in the re-entrance error."""
@@ -54,6 +68,8 @@ def one_thread(what: str) -> Callable[[F], F]:
             if inside(self):
                 raise reentered(what)
             with self._lock:
+                if self._torn_by_fork:
+                    raise torn(what)
                 return method(self, *args, **kwargs)
 
         return locked  # type: ignore[return-value]
@@ -81,10 +97,21 @@ def reset_after_fork(owner: Any) -> None:
 def _free_inherited_locks(forking_threads_too: bool = False) -> None:
     for ref in list(_resettable.values()):
         owner = ref()
+        if owner is None:
+            continue
         for name in ("_lock", "_state_lock"):
             lock = getattr(owner, name, None)
-            if lock is not None and (forking_threads_too or not lock._is_owned()):
+            if lock is None:
+                continue
+            if lock._is_owned():  # by the forking thread
+                if forking_threads_too:
+                    lock._at_fork_reinit()
+            elif lock.acquire(blocking=False):
+                lock.release()  # free at the fork: nothing half done
+            else:  # another thread of the parent was inside: its step is half done here
                 lock._at_fork_reinit()
+                if name == "_lock":
+                    owner._torn_by_fork = True
 
 
 class _Forever:

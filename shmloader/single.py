@@ -31,6 +31,8 @@ _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoa
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
+    _torn_by_fork = False  # inherited half-way through another thread's step (onethread)
+
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         # next() and state_dict() one thread at a time: a checkpoint thread's state waits for
         # the fetch under way (the sampler draws and the dataset's global RNG draws of a batch

@@ -258,6 +258,64 @@ def test_a_process_forked_while_another_thread_saves_can_save_and_iterate(worker
         thread.join(WAIT_S)
 
 
+class HoldsInside(Dataset):  # type: ignore[type-arg]
+    """Item i is ``[i]``; loading item 5 says so (``inside``) and waits for ``go``, once."""
+
+    def __init__(self) -> None:
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5 and not self.inside.is_set():
+            self.inside.set()
+            self.go.wait(WAIT_S)
+        return torch.tensor([float(i)])
+
+
+def test_a_process_forked_while_another_thread_is_inside_next_refuses_its_half_step() -> None:
+    """Review 51: the fork hook frees the iterator's lock another thread held at the fork, so
+    a fork-to-snapshot child's ``state_dict()`` described the step that thread was half-way
+    through with ``num_workers=0`` (its sampler position and the dataset's RNG draws so far).
+    There it now raises, naming the fix; ``iter(loader)`` in the child gives a new epoch."""
+    dataset = HoldsInside()
+    loader = DataLoader(dataset, batch_size=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    thread = threading.Thread(target=lambda: next(it))  # loads items 4 and 5
+    thread.start()
+    try:
+        assert dataset.inside.wait(WAIT_S)  # the thread is inside next() now
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    loader.state_dict()
+                    code = 2  # a state of half a step
+                except RuntimeError as e:
+                    code = 3 if "forked while another thread was inside" not in str(e) else 4
+                if code == 4:
+                    dataset.inside.set()  # (item 5 loads at once here)
+                    code = 0 if len(list(loader)) == N // 2 else 5
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + WAIT_S
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            dataset.go.wait(0.01)  # (never set yet: a bounded pause between looks)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child hung for {WAIT_S} s")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        dataset.go.set()
+        thread.join(WAIT_S)
+    assert loader.state_dict()["yielded"] == 3  # the parent's own iterator is whole
+
+
 def _save_while_a_thread_waits(loader: DataLoader[Any]) -> tuple[threading.Thread, Any]:
     """From inside ``next()``: start a checkpoint thread, let it take the loader's lock (it then
     waits for this ``next()``), then call ``state_dict()`` here. Returns the thread and what the
