@@ -51,13 +51,9 @@ from shmloader._torch_compat import (
     torch_function_mode_active,
 )
 from shmloader.dtypes import CODE_OF, NUMPY_DTYPE
+from shmloader.kept import HANDED
 
 _session: SlotSession | None = None
-# The slot memory :func:`empty` handed out since the worker last took them (:func:`take_handed`),
-# as weak references to the arrays the tensors' storages hold (a view, ``detach()`` or
-# ``numpy()`` of a tensor keeps its storage, not the tensor object): kept past its batch by the
-# user's code, that memory shows later batches.
-HANDED: list[weakref.ref[np.ndarray]] = []
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -117,7 +113,8 @@ class SlotSession:
     ) -> torch.Tensor:
         """An uninitialised tensor inside the slot if it fits; else, with ``plan``, a ``meta``
         tensor (the session is then ``planned``), otherwise one in private memory. ``watch``:
-        one in the slot is recorded in :data:`HANDED` (the public :func:`empty`'s)."""
+        one in the slot is recorded in :data:`shmloader.kept.HANDED` (the public
+        :func:`empty`'s)."""
         nbytes = math.prod(shape) * dtype.itemsize
         off = None
         if self.bytes is not None and dtype in CODE_OF and nbytes > 0 and not self.planned:
@@ -133,7 +130,7 @@ class SlotSession:
             if npdtype is not None:
                 raw = raw.view(npdtype).reshape(tuple(shape))
             if watch:
-                HANDED.append(weakref.ref(raw))  # alive while the tensor's storage is
+                HANDED.append(weakref.ref(raw))  # alive while the tensor's storage (shmloader.kept)
             if npdtype is not None:
                 return torch.from_numpy(raw)
             return torch.from_numpy(raw).view(dtype).view(tuple(shape))
@@ -273,17 +270,6 @@ def empty(
     if _session is None:
         return torch.empty(shape, dtype=dt)
     return _session.empty(shape, dt, watch=True)
-
-
-def take_handed() -> list[weakref.ref[np.ndarray]] | None:
-    """The slot memory :func:`empty` handed out since the last call (None: none), forgotten
-    here. The worker takes them as a task starts and looks after its fetch: any still alive
-    then is kept by the user's code past its batch (review 50)."""
-    if not HANDED:
-        return None
-    taken = HANDED[:]
-    del HANDED[: len(taken)]
-    return taken
 
 
 def _collate_tensor_in_slot(

@@ -47,8 +47,6 @@ import random
 import select
 import signal
 import threading
-import warnings
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -68,8 +66,9 @@ from shmloader._torch_compat import (
     set_worker_info,
     wrap_current_exception,
 )
-from shmloader.collate import SlotSession, SlotView, take_handed
+from shmloader.collate import SlotSession, SlotView
 from shmloader.frames import FrameReader, framed
+from shmloader.kept import HANDED, KeptWatch
 from shmloader.pack import Packed, used_bytes
 from shmloader.rngstate import RngRing, restore
 from shmloader.state import is_stateful
@@ -173,7 +172,7 @@ class _Worker:
         self.init_error: ExceptionWrapper | None = None
         self.dataset = cfg.dataset
         self.collator = _KeepSamples(cfg.collate_fn)
-        self.kept_looks = 3  # warn_if_kept: collections left before the worker stops looking
+        self.kept = KeptWatch(self.where())  # shmloader.empty() memory kept past its batch
         self.fetcher: Any = None
         # An IterableDataset replica with torchdata's Stateful protocol reports its state_dict()
         # after every batch (REPLICA), for DataLoader.state_dict().
@@ -362,6 +361,8 @@ class _Worker:
                     continue  # torch's workers skip tasks once their replica is exhausted
                 else:
                     self.run_task(msg)
+                    if HANDED:  # shmloader.empty() memory: kept past its batch?
+                        self.kept.look(self.fetcher)
             elif isinstance(msg, P.Resume):
                 self.iteration_end = False
                 if isinstance(self.dataset, IterDataPipe) and msg.shared_seed is not None:
@@ -369,31 +370,6 @@ class _Worker:
                 if self.init_error is None:
                     self.make_fetcher()
             # ATTACH, DETACH, GRANT, DENY and REVOKE were applied when read.
-
-    def warn_if_kept(self, earlier: list[weakref.ref[Any]]) -> None:
-        """Once per worker: the user's code kept memory :func:`shmloader.empty` handed out for
-        an earlier batch (review 50: torch's would stay as it was; ours shows a later batch once
-        the slot is reused). Looked at after the next batch's fetch, so that a generator that
-        made the last batch has let go of it; memory alive then only through a reference cycle
-        is collected first, a few times per worker at most (then the worker stops looking). A
-        warning raised as an error (``-W error``) fails the batch, as one from the dataset."""
-        if self.kept_looks <= 0 or not any(ref() is not None for ref in earlier):
-            return
-        self.kept_looks -= 1
-        gc.collect()
-        kept = sum(ref() is not None for ref in earlier)
-        if kept:
-            self.kept_looks = 0
-            warnings.warn(
-                f"{self.where()}: {kept} tensor(s) that shmloader.empty() allocated in an "
-                "earlier batch's slot are still alive after that batch (kept by the collate_fn "
-                "or the dataset). That memory is the batch's: once the training loop is done "
-                "with the batch its slot is reused, and what was kept shows a later batch's "
-                "bytes. Keep a copy (.clone()) instead, or allocate what you keep with "
-                "torch.empty",
-                UserWarning,
-                stacklevel=1,
-            )
 
     def run_stale_task(self, task: P.Task) -> None:
         """A task of an abandoned epoch: fetched and collated all the same, because torch's
@@ -429,15 +405,14 @@ class _Worker:
             self.revoked.discard((task.epoch, task.seq))
             ref = None
         ref = ref or self.take_grant(task.epoch, task.seq)
-        earlier = take_handed()  # slot memory shmloader.empty() handed out for earlier batches
         try:
+            if self.kept.pending:
+                self.kept.warn()  # (inside: as errors, warnings fail this batch, not the worker)
             slot = self.slot(ref)
             with SlotSession(slot) as session:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
                 del data
-            if earlier:
-                self.warn_if_kept(earlier)
             self.replica_state(task)
         except StopIteration:
             if self.cfg.dataset_kind != ITERABLE_KIND:
