@@ -316,6 +316,68 @@ def test_a_process_forked_while_another_thread_is_inside_next_refuses_its_half_s
     assert loader.state_dict()["yielded"] == 3  # the parent's own iterator is whole
 
 
+class SlowToSave(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A stream of ``[1] .. [20]`` whose ``state_dict()`` says it is inside (``inside``) and
+    waits for ``go`` while ``hold`` is set."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.hold = False
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while self.pos < 20:
+            self.pos += 1
+            yield torch.tensor([float(self.pos)])
+
+    def state_dict(self) -> dict[str, int]:
+        if self.hold:
+            self.inside.set()
+            self.go.wait(WAIT_S)
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def test_a_process_forked_while_another_thread_saves_keeps_its_iterator_whole() -> None:
+    """Review 53: a thread inside a ``num_workers=0`` iterator's ``state_dict()``, which only
+    reads, leaves nothing half done: a child forked then saves and goes on with the iterator
+    (84a5d81 refused it as torn)."""
+    dataset = SlowToSave()
+    loader = DataLoader(dataset, batch_size=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    dataset.hold = True
+    thread = threading.Thread(target=loader.state_dict)
+    thread.start()
+    try:
+        assert dataset.inside.wait(WAIT_S)  # the thread is inside state_dict() now
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                dataset.hold = False
+                state = loader.state_dict()
+                code = 0 if state["yielded"] == 2 and next(it).tolist() == [[5.0], [6.0]] else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + WAIT_S
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            dataset.go.wait(0.01)  # (never set yet: a bounded pause between looks)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child hung for {WAIT_S} s")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        dataset.go.set()
+        thread.join(WAIT_S)
+    dataset.hold = False
+    assert next(it).tolist() == [[5.0], [6.0]]
+
+
 def _save_while_a_thread_waits(loader: DataLoader[Any]) -> tuple[threading.Thread, Any]:
     """From inside ``next()``: start a checkpoint thread, let it take the loader's lock (it then
     waits for this ``next()``), then call ``state_dict()`` here. Returns the thread and what the
