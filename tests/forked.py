@@ -14,6 +14,7 @@ import json
 import os
 import select
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -118,3 +119,16 @@ def _unlink_names_of(pid: int) -> None:
             if name.startswith(prefix):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join("/dev/shm", name))
+
+
+def exit_code_of(pid: int, timeout: float) -> int:
+    """The exit code of child ``pid`` (forked by the test with ``os.fork()``), reaped; one still
+    running after ``timeout`` seconds is killed and reaped, and the test fails: it hung."""
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)  # (a bounded pause between looks)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"the forked child {pid} hung for {timeout} s")
+    return os.waitstatus_to_exitcode(done[1])

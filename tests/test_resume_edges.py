@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -34,6 +33,7 @@ from arena.errors import ArenaExhaustedError
 from shmloader import DataLoader, DevicePrefetcher
 from shmloader.prefetch import map_tensors
 from tests.fault_datasets import Gate, Gated, Ramp
+from tests.forked import exit_code_of
 from tests.lifetime_checks import frees_its_loaders_on_failure
 from tests.resume_items import (
     TIMEOUT,
@@ -857,17 +857,26 @@ def test_a_state_a_thread_takes_as_an_outer_prefetcher_takes_a_batch_resumes_at_
         assert got == seen
 
 
+@pytest.mark.parametrize("under", ["iter(loader)", "an inner prefetcher"])
 @pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent"])
-def test_the_plain_loop_after_an_abandoned_prefetcher_pass_saves_where_it_is(case: str) -> None:
+@frees_its_loaders_on_failure
+def test_the_plain_loop_after_an_abandoned_prefetcher_pass_saves_where_it_is(
+    case: str, under: str
+) -> None:
     """Review 49: a pass over ``iter(loader)``, left after 2 batches, kept the iterator
     counting every batch it handed out as held unseen, so the plain ``next()`` calls after it
     were repeated by a resume (and after 64 of them state_dict() raised). A closed pass gives
     the iterator back to its user: what the pass still held is dropped, as a loop's batches
-    are."""
+    are. The same over an inner prefetcher's pass (whose own batches ahead stay unseen):
+    before review 49 H1's fix it kept the outer pass's last count, and a resume repeated that
+    many of the user's batches."""
     make = PREFETCHED[case]
     seed_all(0)
     loader = make()
-    it = iter(loader)
+    if under == "iter(loader)":
+        it: Iterator[Any] = iter(loader)
+    else:
+        it = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
     passing = iter(DevicePrefetcher(it, "cuda", depth=1, engine=CloningEngine()))
     for _ in range(2):
         next(passing)
@@ -877,32 +886,6 @@ def test_the_plain_loop_after_an_abandoned_prefetcher_pass_saves_where_it_is(cas
         next(it)
     state = roundtrip(loader.state_dict())
     rest = [batch_bytes(b) for b in it]
-    resumed = make()
-    resumed.load_state_dict(state)
-    assert [batch_bytes(b) for b in resumed] == rest
-
-
-@pytest.mark.parametrize("case", ["0 workers", "2 workers"])
-@frees_its_loaders_on_failure
-def test_the_inner_prefetcher_after_an_abandoned_outer_pass_saves_where_its_user_is(
-    case: str,
-) -> None:
-    """Once an outer prefetcher's pass is dropped, the inner one's batches are its user's own
-    again (what the inner one still holds ahead stays unseen). Before review 49 H1's fix the
-    inner pass kept the outer one's last count: the resume repeated that many of the user's."""
-    make = PREFETCHED[case]
-    seed_all(0)
-    loader = make()
-    inner = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
-    outer = iter(DevicePrefetcher(inner, "cuda", depth=1, engine=CloningEngine()))
-    for _ in range(2):
-        next(outer)
-    del outer
-    gc.collect()
-    for _ in range(3):
-        next(inner)
-    state = roundtrip(loader.state_dict())
-    rest = [batch_bytes(b) for b in inner]
     resumed = make()
     resumed.load_state_dict(state)
     assert [batch_bytes(b) for b in resumed] == rest
@@ -1009,14 +992,7 @@ def test_a_forked_child_saves_the_num_workers_0_epoch_it_goes_on_with() -> None:
             code = 0 if (sd["epoch"], sd["in_epoch"], sd["yielded"]) == (0, True, 3) else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + TIMEOUT
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        threading.Event().wait(0.01)  # (a bounded pause between looks)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert exit_code_of(pid, TIMEOUT) == 0
     del it
 
 

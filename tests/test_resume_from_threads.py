@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from shmloader import DataLoader
+from tests.forked import exit_code_of
 from tests.lifetime_checks import frees_its_loaders_on_failure
 from tests.resume_items import (
     TIMEOUT,
@@ -245,16 +245,31 @@ def test_a_process_forked_while_another_thread_saves_can_save_and_iterate(worker
                 code = 0 if len(list(loader)) == N // BATCH else 2
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + WAIT_S
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            meeting.taken.wait(0.01)  # (never set yet: a bounded pause between looks)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the forked child hung for {WAIT_S} s")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert exit_code_of(pid, WAIT_S) == 0
     finally:
         meeting.taken.set()
+        thread.join(WAIT_S)
+
+
+def _fork_while_inside(
+    step: Callable[[], Any], inside: threading.Event, go: threading.Event, child: Callable[[], int]
+) -> int:
+    """Run ``step`` in a thread until it is ``inside`` (where it waits for ``go``), fork, run
+    ``child`` in the child, and return its exit code (1 if it raised); then let the step end."""
+    thread = threading.Thread(target=step)
+    thread.start()
+    try:
+        assert inside.wait(WAIT_S)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = child()
+            finally:
+                os._exit(code)
+        return exit_code_of(pid, WAIT_S)
+    finally:
+        go.set()
         thread.join(WAIT_S)
 
 
@@ -284,35 +299,19 @@ def test_a_process_forked_while_another_thread_is_inside_next_refuses_its_half_s
     it = iter(loader)
     next(it)
     next(it)
-    thread = threading.Thread(target=lambda: next(it))  # loads items 4 and 5
-    thread.start()
-    try:
-        assert dataset.inside.wait(WAIT_S)  # the thread is inside next() now
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                try:
-                    loader.state_dict()
-                    code = 2  # a state of half a step
-                except RuntimeError as e:
-                    code = 3 if "forked while another thread was inside" not in str(e) else 4
-                if code == 4:
-                    dataset.inside.set()  # (item 5 loads at once here)
-                    code = 0 if len(list(loader)) == N // 2 else 5
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + WAIT_S
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            dataset.go.wait(0.01)  # (never set yet: a bounded pause between looks)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the forked child hung for {WAIT_S} s")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
-    finally:
-        dataset.go.set()
-        thread.join(WAIT_S)
+
+    def child() -> int:
+        try:
+            loader.state_dict()
+            return 2  # a state of half a step
+        except RuntimeError as e:
+            if "forked while another thread was inside" not in str(e):
+                return 3
+        dataset.inside.set()  # (item 5 loads at once here)
+        return 0 if len(list(loader)) == N // 2 else 4
+
+    # the thread loads items 4 and 5
+    assert _fork_while_inside(lambda: next(it), dataset.inside, dataset.go, child) == 0
     assert loader.state_dict()["yielded"] == 3  # the parent's own iterator is whole
 
 
@@ -349,31 +348,14 @@ def test_a_process_forked_while_another_thread_saves_keeps_its_iterator_whole() 
     it = iter(loader)
     next(it)
     next(it)
+
+    def child() -> int:
+        dataset.hold = False
+        state = loader.state_dict()
+        return 0 if state["yielded"] == 2 and next(it).tolist() == [[5.0], [6.0]] else 2
+
     dataset.hold = True
-    thread = threading.Thread(target=loader.state_dict)
-    thread.start()
-    try:
-        assert dataset.inside.wait(WAIT_S)  # the thread is inside state_dict() now
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                dataset.hold = False
-                state = loader.state_dict()
-                code = 0 if state["yielded"] == 2 and next(it).tolist() == [[5.0], [6.0]] else 2
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + WAIT_S
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            dataset.go.wait(0.01)  # (never set yet: a bounded pause between looks)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the forked child hung for {WAIT_S} s")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
-    finally:
-        dataset.go.set()
-        thread.join(WAIT_S)
+    assert _fork_while_inside(loader.state_dict, dataset.inside, dataset.go, child) == 0
     dataset.hold = False
     assert next(it).tolist() == [[5.0], [6.0]]
 
