@@ -38,7 +38,7 @@ import torch
 
 from arena import SlotWriter
 from arena._layout import page_align
-from shmloader import stacking
+from shmloader import kept, stacking
 from shmloader._torch_compat import (
     collate,
     collate_float_fn,
@@ -114,7 +114,7 @@ class SlotSession:
         """An uninitialised tensor inside the slot if it fits; else, with ``plan``, a ``meta``
         tensor (the session is then ``planned``), otherwise one in private memory. ``watch``:
         one in the slot is recorded in :data:`shmloader.kept.HANDED` (the public
-        :func:`empty`'s)."""
+        :func:`empty`'s, while the collate_fn runs)."""
         nbytes = math.prod(shape) * dtype.itemsize
         off = None
         if self.bytes is not None and dtype in CODE_OF and nbytes > 0 and not self.planned:
@@ -231,7 +231,8 @@ def empty(
     ``torch.empty``: write every element you use. In a slot the tensor cannot grow
     (``resize_`` past its size raises torch's error): allocate the size you need. The memory
     is the batch's: do not keep the tensor past the collate's call (the slot is reused once the
-    batch is consumed; keep a ``.clone()``). A worker that finds one kept warns once.
+    batch is consumed; keep a ``.clone()``). A worker that finds one its collate_fn kept warns
+    once (:mod:`shmloader.kept`).
 
     Accepted as in ``torch.empty``: the size as ints or one sequence (or ``size=``), ``dtype=``,
     ``device=`` (CPU only: a slot is host memory). ``out``, ``layout``, ``memory_format``,
@@ -269,7 +270,7 @@ def empty(
     dt = torch.get_default_dtype() if dtype is None else dtype
     if _session is None:
         return torch.empty(shape, dtype=dt)
-    return _session.empty(shape, dt, watch=True)
+    return _session.empty(shape, dt, watch=kept.collating)
 
 
 def _collate_tensor_in_slot(

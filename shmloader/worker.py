@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from arena import ArenaError, Descriptor, Slab, SlabSpec, SlotRef
+from shmloader import kept
 from shmloader import protocol as P
 from shmloader._torch_compat import (
     ITERABLE_KIND,
@@ -113,7 +114,11 @@ class _KeepSamples:
 
     def __call__(self, samples: Any) -> Any:
         self.samples = samples
-        return self.fn(samples)
+        kept.collating = True  # shmloader.empty() memory handed out now is watched
+        try:
+            return self.fn(samples)
+        finally:
+            kept.collating = False
 
 
 def _alive(pid: int) -> bool:
@@ -362,7 +367,7 @@ class _Worker:
                 else:
                     self.run_task(msg)
                     if HANDED:  # shmloader.empty() memory: kept past its batch?
-                        self.kept.look(self.fetcher)
+                        self.kept.look()
             elif isinstance(msg, P.Resume):
                 self.iteration_end = False
                 if isinstance(self.dataset, IterDataPipe) and msg.shared_seed is not None:
@@ -406,13 +411,13 @@ class _Worker:
             ref = None
         ref = ref or self.take_grant(task.epoch, task.seq)
         try:
-            if self.kept.pending:
-                self.kept.warn()  # (inside: as errors, warnings fail this batch, not the worker)
             slot = self.slot(ref)
             with SlotSession(slot) as session:
                 data = self.fetcher.fetch(task.index)
                 packed = Packed(session, data)
                 del data
+            if self.kept.pending:  # (here: as errors, warnings fail this batch, not the worker)
+                self.kept.warn()
             self.replica_state(task)
         except StopIteration:
             if self.cfg.dataset_kind != ITERABLE_KIND:

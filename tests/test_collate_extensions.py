@@ -338,3 +338,66 @@ def test_with_warnings_as_errors_the_kept_memory_fails_a_batch_not_the_worker() 
             errors.append(str(e))
     assert len(errors) == 1 and WARNED in errors[0]
     assert got == 19
+
+
+class Interleaved(torch.utils.data.IterableDataset[int]):
+    """Ints ``0 .. n-1``, worker ``w`` of ``k`` yielding ``w, w + k, ...``; no ``state_dict``
+    (a resume fast-forwards it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        yield from range(info.id, self.n, info.num_workers)
+
+
+class LastOnly:
+    """A collate_fn that collates into ``shmloader.empty`` and keeps the last batch."""
+
+    def __init__(self) -> None:
+        self.prev: torch.Tensor | None = None
+
+    def __call__(self, samples: list[int]) -> torch.Tensor:
+        out = shmloader.empty((len(samples),), dtype=torch.int64)
+        out.copy_(torch.tensor(samples))
+        self.prev = out
+        return out
+
+
+@frees_its_loaders_on_failure
+def test_a_batch_failed_by_the_warning_as_an_error_resumes_without_losing_samples() -> None:
+    """Review 54: raised before the batch's fetch, the warning failed a batch whose replica did
+    not advance, while the batch counted as consumed: a resume past it fast-forwarded one batch
+    too many per worker and lost 8 samples. Raised after the fetch, as a dataset's error."""
+
+    def make() -> shmloader.DataLoader[Any]:
+        return shmloader.DataLoader(Interleaved(48), batch_size=4, num_workers=2,
+                                    collate_fn=LastOnly(), worker_init_fn=WarningsAsErrors(),
+                                    timeout=TIMEOUT)  # fmt: skip
+
+    def drain(loader: shmloader.DataLoader[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+        out: list[Any] = []
+        states: list[dict[str, Any]] = []
+        it = iter(loader)
+        while True:
+            try:
+                out.append(next(it).tolist())
+            except StopIteration:
+                return out, states
+            except UserWarning as e:
+                assert WARNED in str(e)
+                out.append(None)
+            states.append(loader.state_dict())
+
+    out, states = drain(make())
+    failed = [i for i, b in enumerate(out) if b is None]
+    assert len(failed) == 2  # once per worker
+    cut = failed[-1] + 1
+    resumed = make()
+    resumed.load_state_dict(states[cut - 1])
+    rest, _ = drain(resumed)
+    assert sorted(x for b in rest if b is not None for x in b) == sorted(
+        x for b in out[cut:] if b is not None for x in b
+    )
