@@ -18,9 +18,7 @@ it returns through the frames that release them). A ``multiprocessing`` child ne
 there (it runs its target and exits), so it frees those too. An iterator whose ``_lock``
 another thread held at the fork is half-way through that thread's step in the child: there
 its decorated methods raise (``_torn_by_fork``; review 51: a fork-to-snapshot child's
-``state_dict()`` described half a batch); ``iter(loader)`` starts a new one. Not when that
-thread was inside a method that only reads (``reads_only``: a ``num_workers=0`` iterator's
-``state_dict()``; review 53).
+``state_dict()`` described half a batch); ``iter(loader)`` starts a new one.
 """
 
 from __future__ import annotations
@@ -53,17 +51,16 @@ def torn(what: str) -> RuntimeError:
     """The error of ``what`` on an iterator another thread was inside when this process forked."""
     return RuntimeError(
         f"{what} on a DataLoader iterator inherited through fork(): the process forked while "
-        "another thread was inside this iterator's next(), iter() or state_dict(), so here it is "
+        "another thread was inside this iterator's next() or state_dict(), so here it is "
         "half-way through that step (its sampler position, counts and RNG draws). Fork between "
         "steps (or take loader.state_dict() before forking and pass it on), or call "
         "iter(loader) here for a new epoch."
     )
 
 
-def one_thread(what: str, reads_only: bool = False) -> Callable[[F], F]:
+def one_thread(what: str) -> Callable[[F], F]:
     """Run the method under ``self._lock`` (the object also has ``_busy_here()``); ``what``
-    names it in the re-entrance error. ``reads_only``: it changes nothing of the object's, so
-    a process forked while another thread runs it inherits the object whole (``_reading``)."""
+    names it in the re-entrance error."""
 
     def wrap(method: F) -> F:
         @functools.wraps(method)
@@ -73,13 +70,7 @@ def one_thread(what: str, reads_only: bool = False) -> Callable[[F], F]:
             with self._lock:
                 if self._torn_by_fork:
                     raise torn(what)
-                if not reads_only:
-                    return method(self, *args, **kwargs)
-                self._reading = True
-                try:
-                    return method(self, *args, **kwargs)
-                finally:
-                    self._reading = False
+                return method(self, *args, **kwargs)
 
         return locked  # type: ignore[return-value]
 
@@ -119,7 +110,7 @@ def _free_inherited_locks(forking_threads_too: bool = False) -> None:
                 lock.release()  # free at the fork: nothing half done
             else:  # another thread of the parent was inside: its step is half done here
                 lock._at_fork_reinit()
-                if name == "_lock" and not getattr(owner, "_reading", False):
+                if name == "_lock":
                     owner._torn_by_fork = True
 
 

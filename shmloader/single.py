@@ -32,7 +32,6 @@ _SingleProcessDataLoaderIter = torch.utils.data.dataloader._SingleProcessDataLoa
 
 class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
     _torn_by_fork = False  # inherited half-way through another thread's step (onethread)
-    _reading = False  # a thread is inside a method that only reads (onethread)
 
     def __init__(self, loader: Any, plan: dict[str, Any] | None = None) -> None:
         # next() and state_dict() one thread at a time: a checkpoint thread's state waits for
@@ -151,7 +150,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         """Batches of the epoch drawn so far, yielded or raised (for a DevicePrefetcher)."""
         return self._consumed
 
-    @one_thread("state_dict()", reads_only=True)
+    @one_thread("state_dict()")
     def resume_state(self) -> dict[str, Any] | None:
         """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), with
         the global RNGs (``main_rng``), as of before the batches a consumer took and has not
