@@ -17,8 +17,9 @@ Invariants:
   one walked every local of the generator after each task). The README states the rule for
   both.
 - The worker looks right after each task (:meth:`KeptWatch.look`), once its own references
-  are gone; memory alive then only through a reference cycle is collected first (3 times per
-  worker at most; then the worker stops looking). Looking runs no user code and never raises.
+  are gone; memory alive then only through a reference cycle is collected first: the young
+  generations, then, 3 times per worker at most, all of them (after that the worker stops
+  looking). Looking runs no user code but the finalizers a collection runs.
 - The warning is emitted once per worker, in the next task after its fetch, inside its error
   handling (:meth:`KeptWatch.warn`): with warnings as errors that batch raises it, as a
   dataset's error raised after its fetch would, and the worker lives on (review 52; raised
@@ -36,7 +37,7 @@ import numpy as np
 
 HANDED: list[weakref.ref[np.ndarray]] = []  # appended by shmloader.collate.empty
 collating = False  # the worker's collate_fn is running (set by the worker)
-LOOKS = 3  # garbage collections a worker spends on this before it stops looking
+LOOKS = 3  # full garbage collections a worker spends on this before it stops looking
 
 
 class KeptWatch:
@@ -53,8 +54,14 @@ class KeptWatch:
         del HANDED[: len(refs)]
         if self.looks <= 0 or not any(ref() is not None for ref in refs):
             return
+        # Only a cycle made during the task holds it? Such a cycle is young: a collection of
+        # the young generations frees it at little cost, and spends nothing (review 55: cycles
+        # in every batch used up the budget, and a keep that began later went unseen).
+        gc.collect(1)
+        if not any(ref() is not None for ref in refs):
+            return
         self.looks -= 1
-        gc.collect()  # (only a cycle holds it?)
+        gc.collect()
         kept = sum(ref() is not None for ref in refs)
         if kept:
             self.looks, self.pending = 0, kept
