@@ -158,6 +158,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if self._plan is not None:
                 body: dict[str, Any] | None = {k: self._plan[k] for k in S.ITER_KEYS}
             else:
+                self._check_not_inherited_mid_epoch()
                 # The iterator decides under its own lock whether its epoch is over (a next()
                 # in another thread may end it meanwhile), and takes the main process's RNGs
                 # there too, so that no sampler draw or fetch falls between the two.
@@ -178,6 +179,28 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 **body,
                 "main_rng": rngstate.capture() if main_rng is None else main_rng,
             }
+
+    def _check_not_inherited_mid_epoch(self) -> None:
+        """A multi-worker iterator inherited through fork() in the middle of its epoch (or with
+        persistent workers, whose random streams go on) is the parent's: where it stands is in
+        the parent's workers, pipes and RNG ring, which move on without this process. Its
+        state here would say the epoch had ended (review 48), so a resume skipped the rest."""
+        it = self._live() if self._live is not None else None
+        if (
+            isinstance(it, ShmDataLoaderIter)
+            and not it.here
+            and (not it._ended or it._persistent_workers)
+        ):
+            raise RuntimeError(
+                "state_dict() in a process that inherited this DataLoader through fork() while "
+                f"its {it._num_workers}-worker iterator (of process {it._pid}) was in the middle "
+                "of an epoch"
+                + (" (or kept its workers: persistent_workers=True)" if it._ended else "")
+                + ": where that epoch stands is in the parent's workers and their RNG "
+                "snapshots, which move on without this process. Take loader.state_dict() in "
+                "the parent (before forking, and pass it on), or call iter(loader) here first "
+                "to iterate with this process's own workers."
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict()`` of a loader built the same way (any process): the next

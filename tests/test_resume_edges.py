@@ -996,6 +996,46 @@ def test_a_forked_child_saves_the_num_workers_0_epoch_it_goes_on_with() -> None:
     del it
 
 
+@pytest.mark.parametrize("when", ["mid-epoch", "epoch ended", "persistent, epoch ended"])
+@frees_its_loaders_on_failure
+def test_a_forked_child_refuses_the_state_of_a_multi_worker_epoch_it_cannot_see(when: str) -> None:
+    """Review 48 L1: a child forked while a 2-worker iterator was mid-epoch (or kept its
+    workers) saved a state that said the epoch had ended, and a resume from it skipped the
+    rest of the epoch. Where that epoch stands is in the parent's workers and RNG ring; the
+    child now refuses, naming the fix, and saves once it has its own iterator. After an epoch
+    that ended without persistent workers there is nothing of the parent's in it: it saves."""
+    make = PREFETCHED["persistent" if when.startswith("persistent") else "2 workers"]
+    loader = make()
+    it = iter(loader)
+    for _ in range(3 if when == "mid-epoch" else N // 2):
+        next(it)
+    if when != "mid-epoch":
+        with pytest.raises(StopIteration):
+            next(it)
+    expected = roundtrip(loader.state_dict())
+
+    def child() -> int:
+        try:
+            state = loader.state_dict()
+        except RuntimeError as e:
+            if when == "epoch ended" or "inherited this DataLoader through fork()" not in str(e):
+                return 2
+            own = iter(loader)  # its own workers: then it saves
+            next(own)
+            return 0 if loader.state_dict()["yielded"] == 1 else 3
+        return 0 if when == "epoch ended" and state["epoch"] == expected["epoch"] else 4
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    assert exit_code_of(pid, TIMEOUT) == 0
+    del it
+
+
 def test_two_prefetchers_over_one_loader_keep_their_own_count() -> None:
     """Review 19: one count per loader, which each prefetcher overwrote: a state for the second
     prefetcher's epoch skipped the batches the first one no longer held."""
