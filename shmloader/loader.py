@@ -186,21 +186,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         the parent's workers, pipes and RNG ring, which move on without this process. Its
         state here would say the epoch had ended (review 48), so a resume skipped the rest."""
         it = self._live() if self._live is not None else None
-        if (
-            isinstance(it, ShmDataLoaderIter)
-            and not it.here
-            and (not it._ended or it._persistent_workers)
-        ):
-            raise RuntimeError(
-                "state_dict() in a process that inherited this DataLoader through fork() while "
-                f"its {it._num_workers}-worker iterator (of process {it._pid}) was in the middle "
-                "of an epoch"
-                + (" (or kept its workers: persistent_workers=True)" if it._ended else "")
-                + ": where that epoch stands is in the parent's workers and their RNG "
-                "snapshots, which move on without this process. Take loader.state_dict() in "
-                "the parent (before forking, and pass it on), or call iter(loader) here first "
-                "to iterate with this process's own workers."
-            )
+        if not isinstance(it, ShmDataLoaderIter) or it.here:
+            return
+        # Over as resume_state() decides: not while a DevicePrefetcher holds some of its
+        # batches, or its end, unseen (review 56).
+        over = it._ended and not it.ahead and not it.end_unseen
+        if over and not it._persistent_workers:
+            return  # nothing of the parent's in the state
+        where = "kept its workers (persistent_workers=True)" if over else "was mid-epoch"
+        raise RuntimeError(
+            "state_dict() in a process that inherited this DataLoader through fork() while its "
+            f"{it._num_workers}-worker iterator (of process {it._pid}) {where}: where that "
+            "epoch stands is in the parent's workers and their RNG snapshots, which move on "
+            "without this process. Take loader.state_dict() in the parent (before forking, and "
+            "pass it on), or call iter(loader) here first to iterate with this process's own "
+            "workers."
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict()`` of a loader built the same way (any process): the next

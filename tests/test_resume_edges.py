@@ -996,20 +996,30 @@ def test_a_forked_child_saves_the_num_workers_0_epoch_it_goes_on_with() -> None:
     del it
 
 
-@pytest.mark.parametrize("when", ["mid-epoch", "epoch ended", "persistent, epoch ended"])
+@pytest.mark.parametrize(
+    "when", ["mid-epoch", "epoch ended", "persistent, epoch ended", "last batch in a prefetcher"]
+)
 @frees_its_loaders_on_failure
 def test_a_forked_child_refuses_the_state_of_a_multi_worker_epoch_it_cannot_see(when: str) -> None:
     """Review 48 L1: a child forked while a 2-worker iterator was mid-epoch (or kept its
     workers) saved a state that said the epoch had ended, and a resume from it skipped the
     rest of the epoch. Where that epoch stands is in the parent's workers and RNG ring; the
     child now refuses, naming the fix, and saves once it has its own iterator. After an epoch
-    that ended without persistent workers there is nothing of the parent's in it: it saves."""
+    that ended without persistent workers there is nothing of the parent's in it: it saves.
+    Review 56: an iterator at its end whose last batch a DevicePrefetcher still held was taken
+    for ended."""
     make = PREFETCHED["persistent" if when.startswith("persistent") else "2 workers"]
     loader = make()
-    it = iter(loader)
-    for _ in range(3 if when == "mid-epoch" else N // 2):
-        next(it)
-    if when != "mid-epoch":
+    if when == "last batch in a prefetcher":
+        it: Iterator[Any] = iter(DevicePrefetcher(loader, "cuda", depth=1, engine=CloningEngine()))
+        for _ in range(N // 2 - 1):
+            next(it)
+        assert loader._current()._ended  # the loader's iterator has met its end
+    else:
+        it = iter(loader)
+        for _ in range(3 if when == "mid-epoch" else N // 2):
+            next(it)
+    if when in ("epoch ended", "persistent, epoch ended"):
         with pytest.raises(StopIteration):
             next(it)
     expected = roundtrip(loader.state_dict())
