@@ -132,3 +132,16 @@ def exit_code_of(pid: int, timeout: float) -> int:
         os.waitpid(pid, 0)
         raise AssertionError(f"the forked child {pid} hung for {timeout} s")
     return os.waitstatus_to_exitcode(done[1])
+
+
+def exit_code_of_fork(child: Callable[[], int], timeout: float) -> int:
+    """Fork; the child runs ``child()`` and exits with what it returns (1 if it raised); the
+    test gets that code (:func:`exit_code_of`)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    return exit_code_of(pid, timeout)

@@ -33,7 +33,7 @@ from arena.errors import ArenaExhaustedError
 from shmloader import DataLoader, DevicePrefetcher
 from shmloader.prefetch import map_tensors
 from tests.fault_datasets import Gate, Gated, Ramp
-from tests.forked import exit_code_of
+from tests.forked import exit_code_of_fork
 from tests.lifetime_checks import frees_its_loaders_on_failure
 from tests.resume_items import (
     TIMEOUT,
@@ -984,15 +984,11 @@ def test_a_forked_child_saves_the_num_workers_0_epoch_it_goes_on_with() -> None:
     it = iter(loader)
     for _ in range(3):
         next(it)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            sd = loader.state_dict()
-            code = 0 if (sd["epoch"], sd["in_epoch"], sd["yielded"]) == (0, True, 3) else 2
-        finally:
-            os._exit(code)
-    assert exit_code_of(pid, TIMEOUT) == 0
+    def child() -> int:
+        sd = loader.state_dict()
+        return 0 if (sd["epoch"], sd["in_epoch"], sd["yielded"]) == (0, True, 3) else 2
+
+    assert exit_code_of_fork(child, TIMEOUT) == 0
     del it
 
 
@@ -1035,14 +1031,7 @@ def test_a_forked_child_refuses_the_state_of_a_multi_worker_epoch_it_cannot_see(
             return 0 if loader.state_dict()["yielded"] == 1 else 3
         return 0 if when == "epoch ended" and state["epoch"] == expected["epoch"] else 4
 
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = child()
-        finally:
-            os._exit(code)
-    assert exit_code_of(pid, TIMEOUT) == 0
+    assert exit_code_of_fork(child, TIMEOUT) == 0
     del it
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from shmloader import DataLoader
-from tests.forked import exit_code_of
+from tests.forked import exit_code_of_fork
 from tests.lifetime_checks import frees_its_loaders_on_failure
 from tests.resume_items import (
     TIMEOUT,
@@ -233,22 +233,13 @@ def test_a_process_forked_while_another_thread_saves_can_save_and_iterate(worker
         Augment(), batch_size=BATCH, sampler=SamplerDuringSave(meeting), num_workers=workers,
         timeout=TIMEOUT if workers else 0,
     )  # fmt: skip
-    thread = threading.Thread(target=lambda: loader.state_dict())
-    thread.start()
-    try:
-        assert meeting.inside.wait(WAIT_S)  # the thread holds the loader's lock now
-        pid = os.fork()
-        if pid == 0:  # the child: save, then a whole epoch with its own workers
-            code = 1
-            try:
-                loader.state_dict()
-                code = 0 if len(list(loader)) == N // BATCH else 2
-            finally:
-                os._exit(code)
-        assert exit_code_of(pid, WAIT_S) == 0
-    finally:
-        meeting.taken.set()
-        thread.join(WAIT_S)
+
+    def child() -> int:  # save, then a whole epoch with its own workers
+        loader.state_dict()
+        return 0 if len(list(loader)) == N // BATCH else 2
+
+    # the thread holds the loader's lock while it is inside
+    assert _fork_while_inside(loader.state_dict, meeting.inside, meeting.taken, child) == 0
 
 
 def _fork_while_inside(
@@ -260,14 +251,7 @@ def _fork_while_inside(
     thread.start()
     try:
         assert inside.wait(WAIT_S)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = child()
-            finally:
-                os._exit(code)
-        return exit_code_of(pid, WAIT_S)
+        return exit_code_of_fork(child, WAIT_S)
     finally:
         go.set()
         thread.join(WAIT_S)
