@@ -125,12 +125,14 @@ class Supervisor:
         # True only inside the poll of wait(): an interruption there leaves nothing half done
         # (shmloader.interrupts); whoever catches one resets it.
         self.polling = False
+        # ids of the workers known gone: never signalled again (their pids may be reused)
+        self._gone: set[int] = set()
         # Workers whose supervisor is dropped unstopped (an interruption before its iterator
         # registered its teardown) are killed and reaped, not left running, and the slots kept
         # for them come back (review 25).
         on_death(
             self, _end_unstopped, os.getpid(), self.procs, self._keep, self._pidfds,
-            self._own_children,
+            self._own_children, self._gone,
         )  # fmt: skip
         try:
             forked = ctx.get_start_method() == "fork"
@@ -358,7 +360,7 @@ class Supervisor:
     def kill(self) -> None:
         """SIGKILL every live worker and reap it: for a dead iterator, where nothing a worker
         could still finish is wanted. :meth:`shutdown` then only closes the pipes."""
-        _kill_and_reap(self.procs, self._pidfds, self._own_children)
+        _kill_and_reap(self.procs, self._pidfds, self._own_children, self._gone)
         self._ended()
 
     def _wait_exit(self, wid: int, timeout: float) -> None:
@@ -382,10 +384,10 @@ class Supervisor:
         try:
             self._stop_all()
         except BaseException:  # interrupted (Ctrl-C in a join): end them now, unwaited
-            for p in self.procs:
-                if p.exitcode is None:
+            for wid, p in enumerate(self.procs):
+                if p.exitcode is None and id(p) not in self._gone:
                     with contextlib.suppress(OSError):
-                        p.kill()
+                        _send(p, self._pidfd(wid), signal.SIGKILL)
             # Reached only once every kill went out: an interruption in this loop leaves the
             # kept slots to kill() or the finalizer, which end the rest first (review 26).
             self._ended()
@@ -402,13 +404,17 @@ class Supervisor:
             self._wait_exit(wid, deadline - time.monotonic())
         # Each step to every worker left at once, then one bound for all of them: a teardown
         # with N deaf workers takes 2 * KILL_S, not N times that (review 51).
-        for step in ("terminate", "kill"):
-            left = [wid for wid, p in enumerate(self.procs) if p.exitcode is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = [
+                wid for wid, p in enumerate(self.procs)
+                if p.exitcode is None and id(p) not in self._gone
+            ]  # fmt: skip
             for wid in left:
-                getattr(self.procs[wid], step)()
+                _send(self.procs[wid], self._pidfd(wid), sig)
             deadline = time.monotonic() + KILL_S
             for wid in left:
                 self._wait_exit(wid, deadline - time.monotonic())
+        _note_gone(self.procs, self._own_children, self._gone)
         # Their descriptor numbers may name the user's files from now on: never poll, read or
         # write them again.
         self._closed = True
@@ -430,10 +436,15 @@ _CLOSED = (
 
 
 def _end_unstopped(
-    pid: int, procs: list[Any], keep: afterfork.Keep, pidfds: list[int | None], own: bool
+    pid: int,
+    procs: list[Any],
+    keep: afterfork.Keep,
+    pidfds: list[int | None],
+    own: bool,
+    gone: set[int],
 ) -> None:
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
-        _kill_and_reap(procs, pidfds, own)
+        _kill_and_reap(procs, pidfds, own, gone)
         keep.lift()  # (after a teardown that lifted already: a no-op)
     _close_pidfds(pidfds)  # (a forked child closes its copies)
 
@@ -465,14 +476,39 @@ def _forget_if_reaped_elsewhere(p: Any) -> None:
         multiprocessing.process._children.discard(p)  # type: ignore[attr-defined]
 
 
-def _kill_and_reap(procs: list[Any], pidfds: list[int | None], own: bool) -> None:
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
+def _kill_and_reap(procs: list[Any], pidfds: list[int | None], own: bool, gone: set[int]) -> None:
+    for wid, p in enumerate(procs):
+        if p.exitcode is None and id(p) not in gone:
+            _send(p, pidfds[wid] if wid < len(pidfds) else None, signal.SIGKILL)
     deadline = time.monotonic() + KILL_S
     for wid, p in enumerate(procs):
         pidfd = pidfds[wid] if wid < len(pidfds) else None
         _wait_exit(p, pidfd, own, deadline - time.monotonic())
+    _note_gone(procs, own, gone)
+
+
+def _note_gone(procs: list[Any], own: bool, gone: set[int]) -> None:
+    """Record the workers known gone (exited, or reaped by something else): a later teardown
+    step signals none of them. Their pids are free for any new process once reaped, and one
+    reaped elsewhere (SIGCHLD ignored) never gets an exit code (review 52)."""
+    for p in procs:
+        if p.exitcode is not None or (own and _reaped_elsewhere(p.pid)):
+            gone.add(id(p))
+
+
+def _send(p: Any, pidfd: int | None, sig: int) -> None:
+    """Signal worker ``p`` through its pidfd when it has one: never another process. With
+    SIGCHLD ignored the kernel reaps a worker that exits, multiprocessing never learns it, and
+    its ``terminate()`` / ``kill()`` would signal the pid, by then free for any new process
+    (review 52). Without a pidfd (a forkserver's worker, an old kernel, or after the pidfds
+    closed: callers skip workers known gone, ``_note_gone``), by pid."""
+    if pidfd is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, sig)
+    elif sig == signal.SIGTERM:
+        p.terminate()
+    else:
+        p.kill()
 
 
 def _wait_exit(p: Any, pidfd: int | None, own: bool, timeout: float) -> None:

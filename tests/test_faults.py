@@ -283,6 +283,44 @@ def test_a_worker_reaped_by_someone_else_is_still_raised_within_a_second(sigchld
     assert gone_within(pids, WAIT_S) == []
 
 
+def test_teardown_never_signals_the_pid_of_a_worker_the_kernel_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 52: with SIGCHLD ignored the kernel reaps a dead worker and multiprocessing never
+    learns it, so the teardown after the death sent SIGKILL to its pid, by then free for any
+    new process of the machine. Workers are signalled through their pidfds."""
+    gate = Gate()
+    loader = shmloader.DataLoader(Gated(N, GATED, gate), batch_size=1, num_workers=2)
+    sent: list[int] = []
+    kill = os.kill
+
+    def recorded(pid: int, sig: int) -> None:
+        sent.append(pid)
+        kill(pid, sig)
+
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        it = iter(loader)
+        assert [int(next(it)[0, 0]) for _ in range(GATED)] == list(range(GATED))
+        victim = loader.stats().worker_pids[GATED % 2]
+        monkeypatch.setattr(os, "kill", recorded)
+
+        def fault() -> float:
+            assert gate.wait_reached() == victim
+            at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)  # the test's own, recorded too
+            return at
+
+        error, _ = next_during(it, fault)
+        assert isinstance(error, RuntimeError)
+        assert sent.count(victim) == 1, "the teardown signalled the reaped worker's pid"
+        monkeypatch.undo()
+        gate.open()
+        assert [int(b[0, 0]) for b in loader] == list(range(N))
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+
+
 @pytest.mark.parametrize(
     "sigchld", [signal.SIG_IGN, _reap_every_child], ids=["SIG_IGN", "a-handler-that-reaps"]
 )
@@ -820,7 +858,9 @@ def _ignore_sigterm(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def test_teardown_signals_every_deaf_worker_before_it_waits_for_any() -> None:
+def test_teardown_signals_every_deaf_worker_before_it_waits_for_any(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Review 51: teardown sent SIGTERM to a worker that ignored STOP and waited KILL_S for it
     before it signalled the next, so N deaf workers took N times as long to end (two workers
     stuck in their dataset and ignoring SIGTERM: 5.5 s at exit). Now each step goes to every
@@ -840,10 +880,14 @@ def test_teardown_signals_every_deaf_worker_before_it_waits_for_any() -> None:
         wait(wid, timeout)
 
     sup._wait_exit = logged_wait  # type: ignore[method-assign]
-    for wid, p in enumerate(sup.procs):
-        for step in ("terminate", "kill"):
-            signal_it = getattr(p, step)
-            setattr(p, step, lambda s=signal_it, w=wid, n=step: (log.append((n, w)), s())[1])
+    send = supervisor._send
+    names = {signal.SIGTERM: "terminate", signal.SIGKILL: "kill"}
+
+    def logged_send(p: Any, pidfd: int | None, sig: int) -> None:
+        log.append((names[sig], sup.procs.index(p)))
+        send(p, pidfd, sig)
+
+    monkeypatch.setattr(supervisor, "_send", logged_send)
     it._shutdown_workers()
     assert all(p.exitcode == -signal.SIGKILL for p in sup.procs)
     after_stop = log[log.index(("terminate", 0)) :]

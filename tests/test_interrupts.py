@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import afterfork, ending
+from shmloader import afterfork, ending, supervisor
 from shmloader import protocol as P
 from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
@@ -750,7 +750,8 @@ def test_an_interrupted_teardown_keeps_the_slots_of_workers_it_did_not_end(
     # the teardown's wait for the first worker's exit (Supervisor._wait_exit, which replaced
     # Process.join there: join blocks for good on a worker that closed its sentinel, review 46)
     interrupt_once(Supervisor, "_wait_exit", 1)
-    interrupt_once(multiprocessing.process.BaseProcess, "kill", 1)
+    # the kill of the first worker (through its pidfd: supervisor._send, review 52)
+    interrupt_once(supervisor, "_send", 1)
     with pytest.raises(KeyboardInterrupt) as kept_traceback:
         iter(b)
     sup = next(f.frame.f_locals["self"] for f in kept_traceback.traceback
@@ -1204,8 +1205,6 @@ def test_a_ctrl_c_held_back_while_a_worker_starts_leaves_no_child_behind(
     mask is restored: the worker had started but was not yet recorded, so nothing stopped and
     reaped it (it lived on, then stayed a zombie)."""
     import psutil
-
-    from shmloader import supervisor
 
     real, calls = signal.pthread_sigmask, [0]
 
