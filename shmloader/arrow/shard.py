@@ -129,7 +129,17 @@ def _reopen(spec: ShardSpec) -> tuple[int, str]:
                 pass
             os.close(fd)
             how = f"its path (descriptor {spec.fd} of pid {spec.owner_pid} names another file now)"
-    return _open(spec.name), how
+    try:
+        return _open(spec.name), how
+    except OSError as exc:
+        # (a spawned worker opens the file anew: permissions changed since, chmod, fail here;
+        # review 57: the error said neither how nor why)
+        raise type(exc)(
+            exc.errno,
+            f"{exc.strerror}: {spec.name} could not be opened again in this process through "
+            f"{how}. A spawned or forkserver worker opens each dataset file anew, so it must "
+            "stay readable while the loader starts workers (forked workers inherit it open)",
+        ) from exc
 
 
 def _open(name: str) -> int:
