@@ -179,7 +179,7 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         that). Decided under the iterator's lock: a ``next()`` in another thread ends the epoch
         either before or after it, never in between."""
         d, behind = self._dispatch, self.ahead
-        if self._ended and not behind and not self.end_unseen and not self._persistent_workers:
+        if self._epoch_over() and not self._persistent_workers:
             return None
         self._check_usable()
         try:
@@ -188,7 +188,7 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         except BaseException as e:
             self._left(e, "state_dict()")
             raise
-        if self._ended and not behind and not self.end_unseen:  # between epochs
+        if self._epoch_over():  # between epochs
             return {
                 "epoch": self.epoch_no + 1,
                 "in_epoch": False,

@@ -190,7 +190,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return
         # Over as resume_state() decides: not while a DevicePrefetcher holds some of its
         # batches, or its end, unseen (review 56).
-        over = it._ended and not it.ahead and not it.end_unseen
+        over = it._epoch_over()
         if over and not it._persistent_workers:
             return  # nothing of the parent's in the state
         where = "kept its workers (persistent_workers=True)" if over else "was mid-epoch"

@@ -158,7 +158,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         again, from the global RNGs as they were before the first of them; None once the epoch
         is over with none behind (the loader records that)."""
         behind = self.ahead
-        if self._ended and not behind and not self.end_unseen:
+        if self._epoch_over():
             return None
         return {
             "epoch": self.epoch_no,

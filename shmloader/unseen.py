@@ -28,10 +28,16 @@ class HeldUnseen:
     """The count, for an iterator class that adds one to ``ahead`` for each batch it hands out
     while ``_count_unseen`` is set."""
 
+    _ended: bool  # the iterator met its epoch's end (StopIteration raised to its consumer)
     ahead: int  # batches the consumer holds unseen
     end_unseen: bool  # the consumer found the epoch's end, not yet raised to its user
     _count_unseen: bool  # a batch handed out counts as held unseen at once
     _unseen_by: int | None  # id of the pass counting (not the pass: that would keep it alive)
+
+    def _epoch_over(self) -> bool:
+        """Whether the epoch is over for the user: the iterator met its end, and no consumer
+        holds batches of it or its end unseen (the one rule ``state_dict()`` goes by)."""
+        return self._ended and not self.ahead and not self.end_unseen
 
     def _reset_unseen(self) -> None:
         self.ahead, self.end_unseen = 0, False
