@@ -268,7 +268,7 @@ class Supervisor:
         return out
 
     def _pidfd(self, wid: int) -> int | None:
-        return self._pidfds[wid] if wid < len(self._pidfds) else None
+        return _pidfd_of(self._pidfds, wid)
 
     def _exit_fd(self, wid: int) -> int | None:
         """What signals worker ``wid``'s exit: its pidfd, else its sentinel (None once that
@@ -402,19 +402,8 @@ class Supervisor:
         deadline = time.monotonic() + JOIN_S
         for wid in range(len(self.procs)):
             self._wait_exit(wid, deadline - time.monotonic())
-        # Each step to every worker left at once, then one bound for all of them: a teardown
-        # with N deaf workers takes 2 * KILL_S, not N times that (review 51).
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            left = [
-                wid for wid, p in enumerate(self.procs)
-                if p.exitcode is None and id(p) not in self._gone
-            ]  # fmt: skip
-            for wid in left:
-                _send(self.procs[wid], self._pidfd(wid), sig)
-            deadline = time.monotonic() + KILL_S
-            for wid in left:
-                self._wait_exit(wid, deadline - time.monotonic())
-        _note_gone(self.procs, self._own_children, self._gone)
+            _signal_all(self.procs, self._pidfds, self._own_children, self._gone, sig)
         # Their descriptor numbers may name the user's files from now on: never poll, read or
         # write them again.
         self._closed = True
@@ -477,14 +466,27 @@ def _forget_if_reaped_elsewhere(p: Any) -> None:
 
 
 def _kill_and_reap(procs: list[Any], pidfds: list[int | None], own: bool, gone: set[int]) -> None:
-    for wid, p in enumerate(procs):
-        if p.exitcode is None and id(p) not in gone:
-            _send(p, pidfds[wid] if wid < len(pidfds) else None, signal.SIGKILL)
+    _signal_all(procs, pidfds, own, gone, signal.SIGKILL)
+
+
+def _signal_all(
+    procs: list[Any], pidfds: list[int | None], own: bool, gone: set[int], sig: int
+) -> None:
+    """Send ``sig`` to every worker still running, then wait ``KILL_S`` once for all of them
+    (a teardown with N deaf workers takes one bound a step, not N: review 51), and record
+    those now gone."""
+    left = [wid for wid, p in enumerate(procs) if p.exitcode is None and id(p) not in gone]
+    for wid in left:
+        _send(procs[wid], _pidfd_of(pidfds, wid), sig)
     deadline = time.monotonic() + KILL_S
-    for wid, p in enumerate(procs):
-        pidfd = pidfds[wid] if wid < len(pidfds) else None
-        _wait_exit(p, pidfd, own, deadline - time.monotonic())
+    for wid in left:
+        _wait_exit(procs[wid], _pidfd_of(pidfds, wid), own, deadline - time.monotonic())
     _note_gone(procs, own, gone)
+
+
+def _pidfd_of(pidfds: list[int | None], wid: int) -> int | None:
+    """Worker ``wid``'s pidfd: None without one, or once the pidfds are closed (emptied)."""
+    return pidfds[wid] if wid < len(pidfds) else None
 
 
 def _note_gone(procs: list[Any], own: bool, gone: set[int]) -> None:

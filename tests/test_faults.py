@@ -873,13 +873,13 @@ def test_teardown_signals_every_deaf_worker_before_it_waits_for_any(
     sup = it._sup
     assert {p.pid for p in sup.procs} == pids
     log: list[tuple[str, int]] = []
-    wait = sup._wait_exit
+    wait = supervisor._wait_exit
 
-    def logged_wait(wid: int, timeout: float) -> None:
-        log.append(("wait", wid))
-        wait(wid, timeout)
+    def logged_wait(p: Any, pidfd: int | None, own: bool, timeout: float) -> None:
+        log.append(("wait", sup.procs.index(p)))
+        wait(p, pidfd, own, timeout)
 
-    sup._wait_exit = logged_wait  # type: ignore[method-assign]
+    monkeypatch.setattr(supervisor, "_wait_exit", logged_wait)
     send = supervisor._send
     names = {signal.SIGTERM: "terminate", signal.SIGKILL: "kill"}
 
