@@ -11,6 +11,8 @@ While a worker runs a task, a :class:`SlotSession` is current. Two things alloca
 A dataset's ``__getitems__`` may return :class:`GatheredRows` (``shmloader.arrow`` does): to any
 collate_fn it is the list of samples, but the default collate asks it to collate itself, which
 lets it gather whole columns straight into the slot instead of stacking per-sample tensors.
+Without workers, :func:`private_default_collate` gives GatheredRows the same say, in private
+memory.
 
 Invariants:
 - Allocation never fails. When the slot is full (or there is none yet), :func:`empty` allocates in
@@ -403,6 +405,22 @@ def _alloc_in_slot(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if _session is None:
         return torch.empty(shape, dtype=dtype)
     return _session.empty(shape, dtype, plan=True)
+
+
+def private_default_collate(batch: Any) -> Any:
+    """``torch.utils.data.default_collate`` for the ``num_workers=0`` loader: the same batch, but
+    :class:`GatheredRows` collate themselves (in private memory), so a dataset's own checks and
+    error messages (``shmloader.arrow``'s ragged-column hint) are the same with and without
+    workers, and whole columns are gathered instead of rows."""
+    if isinstance(batch, GatheredRows):
+        out = batch.collate_into(_private_empty)
+        if out is not NotImplemented:
+            return out
+    return torch.utils.data.default_collate(batch)
+
+
+def _private_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def slot_default_collate(batch: Any) -> Any:

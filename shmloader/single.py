@@ -22,6 +22,7 @@ import torch
 
 from shmloader import rngstate
 from shmloader._torch_compat import ITERABLE_KIND
+from shmloader.collate import private_default_collate
 from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import last_logged
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
@@ -53,7 +54,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             # Before torch's __init__: a sampler may draw in iter() (an eager permutation), which
             # that __init__ calls before it draws the base seed (shmloader.state.EpochStart).
             self.epoch_start = EpochStart.capture(loader, before_init=True)
-            super().__init__(loader)
+            self._torch_init(loader)
             self._counted(loader, 0)
             return
         assert plan is not None
@@ -62,16 +63,25 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             # The saved run's __init__, sampler draws and (for an IterableDataset without state)
             # replica fetches, replayed from the epoch's start; the global RNGs are put back.
             with start.replay(loader):
-                super().__init__(loader)
+                self._torch_init(loader)
                 self._replay(plan, replica)
         else:  # a state saved before EpochStart.before_init: captured after __init__
             with untouched_rngs(loader):
-                super().__init__(loader)
+                self._torch_init(loader)
             with start.replay(loader):
                 self._sampler_iter = iter(self._index_sampler)
                 self._replay(plan, replica)
         self._base_seed = plan["base_seed"]
         self._counted(loader, plan["yielded"])
+
+    def _torch_init(self, loader: Any) -> None:
+        """Torch's ``__init__``; its fetcher collates with :func:`private_default_collate` in
+        place of ``default_collate``, as workers use ``slot_default_collate``: the same batches,
+        but a dataset's gathered rows (``shmloader.arrow``) collate themselves."""
+        super().__init__(loader)
+        fetcher = self._dataset_fetcher
+        if fetcher.collate_fn is torch.utils.data.default_collate:
+            fetcher.collate_fn = private_default_collate
 
     def _counted(self, loader: Any, consumed: int) -> None:
         self._ended = False

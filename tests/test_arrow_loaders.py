@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import traceback
 
 import numpy as np
 import pyarrow as pa
@@ -94,3 +95,30 @@ def test_a_file_changed_before_spawned_workers_reopen_it_is_an_error_naming_it(t
     write_file(pa.table({"y": np.full(40, 2)}), p)  # rewritten in place
     with pytest.raises(ArrowSourceError, match=r"t\.arrow: the file changed since it was opened"):
         _epoch(loader)
+
+
+def _one_batch(ds, workers):
+    more = {"num_workers": 2, "multiprocessing_context": "fork"} if workers else {}
+    return next(iter(shmloader.DataLoader(ds, batch_size=16, **more)))
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_a_ragged_column_is_refused_naming_it_and_the_fix_with_or_without_workers(every_path,
+                                                                                   workers):
+    ds = ArrowDataset(every_path, columns=["i8", "tokens"])
+    with pytest.raises(RuntimeError, match=r"'tokens' holds variable-length.*collate_ragged"):
+        _one_batch(ds, workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_a_null_first_in_a_batch_is_torchs_error_with_a_note_naming_the_column(tmp_path, workers):
+    paths = [None if i % 16 == 0 else f"p{i}" for i in range(32)]
+    table = pa.table({"i": pa.array(range(32)), "meta": pa.array([{"path": p} for p in paths])})
+    ds = ArrowDataset(write_file(table, tmp_path / "n.arrow"))
+    with pytest.raises(TypeError, match="found <class 'NoneType'>") as raised:
+        _one_batch(ds, workers)
+    told = "".join(traceback.format_exception(raised.value))
+    assert "null in column 'meta.path'" in told
+    with pytest.raises(TypeError, match="found <class 'NoneType'>") as theirs:  # torch's own
+        next(iter(torch.utils.data.DataLoader(ds, batch_size=16)))
+    assert "meta.path" not in "".join(traceback.format_exception(theirs.value))

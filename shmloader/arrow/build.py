@@ -123,11 +123,11 @@ def build_plan(name: str, t: pa.DataType, arrays: Sequence[pa.Array], shards: Se
         offs = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
                         + a.offset * width)
         data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[2]))
-        return BytesPlan(text, data, Spans(offs, width), 0, _validity(arrays, shards))
+        return BytesPlan(name, text, data, Spans(offs, width), 0, _validity(arrays, shards))
     if pa.types.is_fixed_size_binary(t):
         data = _offsets(arrays, shards, lambda a: _buffer_address(a.buffers()[1])
                         + a.offset * t.byte_width)
-        return BytesPlan(False, data, None, t.byte_width, _validity(arrays, shards))
+        return BytesPlan(name, False, data, None, t.byte_width, _validity(arrays, shards))
     if pa.types.is_struct(t):
         fields = [t.field(i).name for i in range(t.num_fields)]
         twice = sorted({f for f in fields if fields.count(f) > 1})

@@ -260,12 +260,13 @@ class BytesPlan(Plan):
     """Strings and binaries (variable or fixed width): ``str`` / ``bytes`` items, lists batched.
 
     Nulls are allowed here (Hugging Face image structs hold ``path: null``) and come back as
-    ``None``; a batch whose first value is None raises what ``default_collate`` raises for it.
+    ``None``; a batch whose first value is None raises what ``default_collate`` raises for it,
+    with a note naming the column.
     """
 
-    def __init__(self, text: bool, data: np.ndarray, spans: Spans | None, width: int,
+    def __init__(self, name: str, text: bool, data: np.ndarray, spans: Spans | None, width: int,
                  valid: Bits | None) -> None:
-        self.text, self.data, self.spans, self.width = text, data, spans, width
+        self.name, self.text, self.data, self.spans, self.width = name, text, data, spans, width
         self.valid = valid  # None: no record batch has a null
 
     def collate(self, w: Where, g: Gatherer, alloc: Alloc, ragged: Ragged) -> Any:
@@ -276,7 +277,14 @@ class BytesPlan(Plan):
             for r in np.flatnonzero(ok.numpy() == 0).tolist():
                 values[r] = None
             if values[0] is None and ragged != "rows":
-                raise TypeError(NONE_IN_BATCH.format(type(None)))
+                # torch's words, and a note with what torch cannot say: where the None came from
+                error = TypeError(NONE_IN_BATCH.format(type(None)))
+                error.add_note(
+                    f"shmloader.arrow: the first row of this batch holds a null in column "
+                    f"{self.name!r}; default_collate cannot batch None: fill the nulls before "
+                    f"packing (pyarrow.compute.fill_null) or pass a collate_fn that takes None"
+                )
+                raise error
         return values
 
     def _values(self, w: Where, g: Gatherer) -> list[Any]:
