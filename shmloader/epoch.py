@@ -240,9 +240,10 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         self._rngs_before = deque(self._rngs_before or (), maxlen=keep)
 
     def _copies_done(self, box: list[Any]) -> None:
-        """As :meth:`shmloader.DataLoader._copies_done`, for a ``DevicePrefetcher`` given this
-        iterator (or a wrapper whose ``iter()`` is it) rather than the loader (review 52: every
-        slot went through the copy fence)."""
+        """A ``DevicePrefetcher`` whose source is this iterator lets go of the batch in ``box``
+        (its only element, emptied here), whose copies to the GPU have completed: the slots of
+        those of its views that nothing else holds go back without waiting on the copy fence
+        (``Leases.let_go``)."""
         self._leases.let_go(box)
         box.clear()
 

@@ -20,8 +20,9 @@ Invariants:
   NEED_SLOT round trip, and small batches stop taking big slots once batches have shrunk.
 - ``endings`` keeps each iterator's :class:`~shmloader.ending.Ending` until it has run to its
   end; :meth:`end_pending` finishes those an interruption cut short.
-- ``close()`` waits (at most ``CLOSE_SETTLE_S``) for the GPU's copies from the fence's slots,
-  unregisters pinned memory, then closes the arena; views still alive stay valid. A slab the
+- ``close()`` waits (at most ``CLOSE_SETTLE_S``) for the GPU's copies from the fence's slots
+  and from the batches still held (one more event, ``Leases.fence_held``), unregisters pinned
+  memory, then closes the arena; views still alive stay valid. A slab the
   GPU may still read from is never unregistered: after that wait it is left page-locked.
 """
 
@@ -218,19 +219,23 @@ def _close(pid: int, pinner: Pinner, arena: Arena, leases: Leases) -> None:
         except BaseException:  # interrupted: the books may be half-changed (review 25)
             leases.retired = True
             raise
-        stuck = False
+        stuck, held = False, 0
+        # Copies still queued from the slabs finish before they are unlocked: those from the
+        # slots of dead batches (the fence holds them), and those from batches the user still
+        # holds (one more event). At interpreter exit CUDA may already be gone; then there is
+        # nothing left to wait for.
+        with contextlib.suppress(Exception):
+            held = leases.fence_held()
         if fence:
-            # Copies still queued from the slabs finish before they are unlocked. At interpreter
-            # exit CUDA may already be gone; then there is nothing left to wait for.
             with contextlib.suppress(Exception):
                 fence.settle(CLOSE_SETTLE_S)
                 stuck = bool(fence)
         if stuck and fence is not None:
             # Unlocking slabs the GPU still reads could fault its copies: leave them locked.
             userwarn.warn(
-                f"shmloader: the GPU has not passed copies queued from {fence.held} page-locked "
-                f"arena slots after {CLOSE_SETTLE_S:.0f} s; the loader closes its arena but "
-                "leaves its slabs page-locked until the process exits",
+                f"shmloader: the GPU has not passed copies queued from {fence.held + held} "
+                f"page-locked arena slots after {CLOSE_SETTLE_S:.0f} s; the loader closes its "
+                "arena but leaves its slabs page-locked until the process exits",
                 RuntimeWarning,
             )
         else:

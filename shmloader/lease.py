@@ -462,6 +462,21 @@ class Leases:
         passed = self.fence.settle(timeout, self.lock)
         return self._as_owner(lambda: sum(self._give_back(ref) for ref in passed))
 
+    def fence_held(self) -> int:
+        """For a close that will unlock the slabs: one fence event behind every copy queued so
+        far, on the current stream, if a batch the user still holds lies in a page-locked slab
+        (review 58: its slab was unlocked with a copy from it still queued; the fence covered
+        only batches already dead). How many such batches; 0: no event recorded."""
+        with self.lock:
+            fence = self.fence
+            if fence is None:
+                return 0
+            held = [x for x in list(self._live.values())
+                    if x() is not None and self._through_fence(x.slot)]
+            if held:
+                fence.hold([])  # a barrier: no slot of its own (the batches still hold theirs)
+            return len(held)
+
     def _forget(self, lease: Lease) -> None:
         del self._live[id(lease)]
         by_key = self._by_key
@@ -482,12 +497,12 @@ class Leases:
 
     def let_go(self, box: list[Any]) -> int:
         """A consumer whose own copies from the batch in ``box`` (its only element) have all
-        completed lets go of it (a ``DevicePrefetcher``, :meth:`DataLoader._copies_done`): if
+        completed lets go of it (a ``DevicePrefetcher`` over the iterator that lent it): if
         the batch is one of this table's, ``box`` is emptied here, and the slots of those of
         its leases whose views died with that go back at once, without the copy fence (no copy
-        the consumer made from them is still running). A lease whose views something else
-        still holds (a wrapper or subclass that kept the batch, a view in the device batch:
-        review 50) is left alone: it goes back when those die, as any. Returns how many went
+        the consumer made from them is still running, and no other code saw them: review 58).
+        A lease whose views something else still holds (a view in the device batch: review
+        50) is left alone: it goes back when those die, as any. Returns how many went
         back; ``box`` is left as it was when the batch is none of this table's."""
         if self.busy_here():
             if self._leases_of(box[0]):

@@ -267,18 +267,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         nw = self.num_workers
         return (self.prefetch_factor or 2) * nw + self._consumer_holds
 
-    def _copies_done(self, box: list[Any]) -> None:
-        """A ``DevicePrefetcher`` lets go of the batch in ``box`` (its only element, emptied
-        here), whose copies to the GPU have completed: the slots of those of its views that
-        nothing else holds go back without waiting on the copy fence (``Leases.let_go``)."""
-        host = self._host
-        if host is not None and host.here:
-            for lender in host.lenders():  # the batch may come from a retired arena's iterator
-                lender.leases.let_go(box)
-                if not box:
-                    return
-        box.clear()
-
     def _consumer_will_hold(self, batches: int) -> None:
         """The consumer keeps up to ``batches`` batches alive at once (a ``DevicePrefetcher`` of
         depth d: d + 2). New slabs get a slot for each, unless ``arena_slots_per_slab`` was

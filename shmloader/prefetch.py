@@ -25,14 +25,16 @@ Invariants:
   end).
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
-  under an in-flight DMA (FFCV and SPDL do the same). Then the prefetcher lets go of it: a
-  shmloader ``DataLoader`` gets back at once the slots of the views that die with that
-  (``_copies_done``), without the wait on the current stream that the copy fence
-  (:mod:`shmloader.fence`) applies to batches whose copies it cannot see. A view something
-  else still holds (the device batch, if the engine or a custom batch class left one in it; a
-  wrapper or loader subclass that kept the batch) keeps its slot until it dies, and then goes
-  through the fence as any (review 50: the slots went back on a check of the device batch
-  alone, under views a wrapper kept).
+  under an in-flight DMA (FFCV and SPDL do the same). Then the prefetcher lets go of it. When
+  its source is a shmloader iterator itself (given the loader, its iterator, or a wrapper whose
+  ``iter()`` is that iterator), no other code saw the batch, and the iterator gets back at once
+  the slots of the views that die with that (``_copies_done``), without the wait on the current
+  stream that the copy fence (:mod:`shmloader.fence`) applies to batches whose copies it cannot
+  see. A view something else still holds (the device batch, if the engine or a custom batch
+  class left one in it) keeps its slot until it dies, and then goes through the fence as any
+  (review 50). Batches from any other source (a wrapper or loader subclass whose ``iter()``
+  yields its own batches: it may have kept them, or queued copies from them) always go through
+  the fence (review 58).
 - Device tensors handed out are marked as used by the consumer stream (``record_stream``), so the
   caching allocator does not reuse their memory while the consumer still reads them.
 - Batches are walked as torch's ``pin_memory`` walks them (:func:`map_tensors`); a custom batch
@@ -243,10 +245,15 @@ class _Prefetching:
         self.depth = owner.depth
         self.engine = engine
         self.source = iter(loader)
-        # (the loader's, or its iterator's when given that, or a wrapper whose iter() is it)
+        # Only a shmloader iterator taken as it is (from the loader, a loader subclass or a
+        # wrapper whose iter() is it, or given itself): then no code but this pass has seen its
+        # batches, so no copy of theirs but this pass's own can be queued. Never the loader's
+        # hook reached through a wrapper or subclass whose iter() yields batches of its own: it
+        # may have queued a copy from a view it then dropped, on the current stream, which only
+        # the copy fence waits for (review 58: 10 of 16 such copies read a later batch).
         self.done: Callable[[list[Any]], None] | None = getattr(
-            loader, "_copies_done", None
-        ) or getattr(self.source, "_copies_done", None)
+            self.source, "_copies_done", None
+        )
         # Also over a shmloader iterator the loader did not size (the prefetcher was given
         # iter(loader), or a wrapper whose iter() returns it; review 37), its state_dict()
         # rewinds what is held here. (Such a loader's slabs keep their slot count: the arena

@@ -4,6 +4,7 @@ complete when the test says so; the real-GPU test at the end skips without a dev
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import linecache
 import re
@@ -276,6 +277,121 @@ def test_a_prefetchers_batches_whose_copies_complete_at_once_skip_the_fence(
     assert events.records == 0 and events.waits == 0, "a prefetched slot went through the fence"
     st = loader.stats()
     assert st.arena.slots_free == st.arena.slots_total
+
+
+class DeviceCopy:
+    """What a copy on the fake current stream gives: ``value``, once the GPU has run it."""
+
+    value = None
+
+
+class StreamEvents(FakeEvents):
+    """:class:`FakeEvents` with a current stream: a copy queued on it (:meth:`queue_copy`, as
+    ``t.to("cuda", non_blocking=True)`` from page-locked memory, which keeps no reference to
+    ``t``) reads the host bytes only when the GPU passes it: when an event recorded after it
+    is waited on, or at :meth:`complete_all`."""
+
+    def __init__(self):
+        super().__init__()
+        self.queued = []  # (address, bytes, dtype, its DeviceCopy) in stream order
+        self.ran = 0
+
+    def queue_copy(self, t):
+        copy = DeviceCopy()
+        self.queued.append((t.data_ptr(), t.numel() * t.element_size(), t.dtype, copy))
+        return copy
+
+    def run(self, upto):
+        for ptr, n, dtype, copy in self.queued[self.ran:upto]:
+            copy.value = torch.frombuffer(bytearray(ctypes.string_at(ptr, n)), dtype=dtype)
+        self.ran = max(self.ran, upto)
+
+    def complete_all(self):
+        self.run(len(self.queued))
+        super().complete_all()
+
+    def __call__(self):
+        event = super().__call__()
+        record, wait = event.record, event.wait
+
+        def recorded():
+            record()
+            event.after = len(self.queued)
+
+        def waited(timeout):
+            passed = wait(timeout)
+            if passed:
+                self.run(getattr(event, "after", 0))
+            return passed
+
+        event.record, event.wait = recorded, waited
+        return event
+
+
+class QueuesLabels:
+    """A wrapper that forwards attributes to its loader (as accelerate's adapter does) and moves
+    the labels to the device itself, a copy on the current stream, and drops them."""
+
+    def __init__(self, loader, events):
+        self.loader, self.events = loader, events
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        for x, y in self.loader:
+            yield x, self.events.queue_copy(y)
+
+
+@frees_its_loaders_on_failure
+def test_a_copy_a_wrapper_queued_from_a_view_it_dropped_reads_its_own_batch(monkeypatch):
+    """Review 58: the prefetcher gave the slots back at once when its own copy completed, as
+    if no other copy could read them; the wrapper's copy of the labels, queued on the current
+    stream behind the compute, read later batches (10 of 16)."""
+    from .test_prefetch import Done
+
+    events = StreamEvents()
+    loader, _ = fenced_loader(monkeypatch, events, arena_slots_per_slab=6)
+    labels = [y for _, y in DevicePrefetcher(QueuesLabels(loader, events), depth=1,
+                                             engine=Done())]  # fmt: skip
+    events.complete_all()  # the current stream catches up only now
+    expected = [list(range(i, i + 4)) for i in range(0, 64, 4)]
+    assert [copy.value.tolist() for copy in labels] == expected
+    assert events.records > 0  # the slots went through the fence
+
+
+@pytest.mark.parametrize("gpu_stuck", [False, True])
+@frees_its_loaders_on_failure
+def test_a_host_unlocks_a_slab_a_held_batch_is_in_only_once_the_gpu_passed_its_copies(
+    monkeypatch, gpu_stuck
+):
+    """Review 58: the fence waits only for the copies from batches already dead; the close
+    unlocked the slab of a batch the user still held while a copy from it was queued."""
+    monkeypatch.setattr("shmloader.host.CLOSE_SETTLE_S", 0.05)
+    events = StreamEvents()
+    loader, host = fenced_loader(monkeypatch, events)
+    registrar = host.pinner._registrar
+    copies_run_at_unlock = []
+    unregister = registrar.unregister
+    registrar.unregister = lambda ptr: (copies_run_at_unlock.append(events.ran), unregister(ptr))
+    it = iter(loader)
+    x, _ = next(it)
+    copy = events.queue_copy(x)  # x.to("cuda", non_blocking=True), behind the compute
+    events.stuck_waits = 1 if gpu_stuck else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del it
+        host.close()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if gpu_stuck:
+        assert copies_run_at_unlock == [] and copy.value is None
+        assert len(said) == 1 and re.match(
+            r"shmloader: the GPU has not passed copies queued from 1 page-locked arena slots",
+            said[0],
+        )
+    else:
+        assert said == [] and copies_run_at_unlock and set(copies_run_at_unlock) == {1}
+        assert copy.value.tolist() == x.view(-1).tolist()
 
 
 @frees_its_loaders_on_failure
