@@ -18,8 +18,11 @@ Invariants:
   both.
 - The worker looks right after each task (:meth:`KeptWatch.look`), once its own references
   are gone; memory alive then only through a reference cycle is collected first: the young
-  generations, then, 3 times per worker at most, all of them (after that the worker stops
-  looking). Looking runs no user code but the finalizers a collection runs.
+  generations at once; all of them (a full collection, whose cost grows with the heap) the
+  first 3 times it is needed, then once each time the worker's task count doubles, memory
+  still alive waiting its turn. So a worker spends O(log tasks) full collections on this, and
+  a keep is reported however many old cycles came before it (review 61). Looking runs no user
+  code but the finalizers a collection runs.
 - The warning is emitted once per worker, in the next task after its fetch, inside its error
   handling (:meth:`KeptWatch.warn`): with warnings as errors that batch raises it, as a
   dataset's error raised after its fetch would, and the worker lives on (review 52; raised
@@ -37,7 +40,9 @@ import numpy as np
 
 HANDED: list[weakref.ref[np.ndarray]] = []  # appended by shmloader.collate.empty
 collating = False  # the worker's collate_fn is running (set by the worker)
-LOOKS = 3  # full garbage collections a worker spends on this before it stops looking
+LOOKS = 3  # full garbage collections a worker spends at once; then one each time tasks double
+LATER = 8  # the first task at which a further one may be spent
+SUSPECTS = 64  # memory waiting for a full collection: the newest this many
 
 
 class KeptWatch:
@@ -46,25 +51,47 @@ class KeptWatch:
     def __init__(self, where: str) -> None:
         self.where = where
         self.looks = LOOKS
+        self.tasks = 0
+        self.next_look = LATER
+        # Memory alive after its task's young collection, not yet judged by a full one.
+        self.suspects: list[weakref.ref[np.ndarray]] = []
+        self.found = False  # reported (or about to be): nothing more to look for
         self.pending = 0  # kept memory found, not yet reported
 
     def look(self) -> None:
         """After a task: is memory ``empty()`` handed out to its collate_fn still alive?"""
         refs = HANDED[:]
         del HANDED[: len(refs)]
-        if self.looks <= 0 or not any(ref() is not None for ref in refs):
+        self.tasks += 1
+        if self.found or not (refs or self.suspects):
             return
-        # Only a cycle made during the task holds it? Such a cycle is young: a collection of
-        # the young generations frees it at little cost, and spends nothing (review 55: cycles
-        # in every batch used up the budget, and a keep that began later went unseen).
-        gc.collect(1)
-        if not any(ref() is not None for ref in refs):
+        alive = [ref for ref in refs if ref() is not None]
+        if alive:
+            # Only a cycle made during the task holds it? Such a cycle is young: a collection
+            # of the young generations frees it at little cost, and spends nothing (review 55:
+            # cycles in every batch used up the budget, and a keep that began later went
+            # unseen).
+            gc.collect(1)
+        suspects = [r for r in self.suspects + alive if r() is not None][-SUSPECTS:]
+        self.suspects = suspects
+        if not suspects:
             return
-        self.looks -= 1
+        # Alive through an old cycle, or kept. A full collection tells, but costs in proportion
+        # to the worker's heap: spent at once LOOKS times, then once each time the tasks double
+        # (review 61: cycles promoted to the oldest generation used up the budget, and a keep
+        # that began later went unseen). Meanwhile the suspects wait (the interpreter's own
+        # full collections free the cycles among them).
+        if self.looks > 0:
+            self.looks -= 1
+        elif self.tasks >= self.next_look:
+            self.next_look = 2 * self.tasks
+        else:
+            return
         gc.collect()
-        kept = sum(ref() is not None for ref in refs)
+        kept = sum(ref() is not None for ref in suspects)
+        self.suspects = []
         if kept:
-            self.looks, self.pending = 0, kept
+            self.found, self.pending = True, kept
 
     def warn(self) -> None:
         """Report what :meth:`look` found, once (call where an error fails the task)."""
