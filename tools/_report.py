@@ -8,9 +8,12 @@ summary from them, so the table, the JSON and the CSV can never disagree:
 - ``cpu_us``         median over repeats of main-process CPU seconds per batch, in microseconds
 - ``worker_us``      the same for the loader's worker processes together; minus the workload's
                      ``bare_us_per_batch`` (fetch + collate in one process) it is the loader's
-                     own worker overhead
+                     own worker overhead (a mean over the timed window minus a median of 50
+                     batches: it also carries the fetch's spread above its median, alike for
+                     every loader)
 - ``pct_nproc_limit`` against the N-process limit (N copiers at once, N = workers, one buffer
-                     each); ``pct_nproc2_limit`` against the same with two buffers each, the
+                     each; median of one run before each repeat's loader runs);
+                     ``pct_nproc2_limit`` against the same with two buffers each, the
                      most a loader (which must fill one batch while another is held) can reach
                      with torch.stack's copy; ``pct_nproc_stream_limit`` against the same with
                      streaming stores, the copy shmloader's workers use where they measure it faster
@@ -19,8 +22,11 @@ summary from them, so the table, the JSON and the CSV can never disagree:
                      is the most any N-worker loader can reach against ``torch-0`` here
 - ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children,
                      in MiB (2**20 bytes; the column keeps its old name)
-- ratios             ``batches_per_s / other.batches_per_s``; ``pct_limit`` is against the
-                     single-copy limit
+- ratios             ``batches_per_s / other.batches_per_s``, a ratio of the two medians (not
+                     a median of per-repeat ratios); ``pct_limit`` is against the single-copy
+                     limit. A loader above a limit (over 100 %) is marked ``!`` in the table:
+                     that limit's runs met a busier machine than the loader's, and it is no
+                     ceiling in that run
 """
 
 from __future__ import annotations
@@ -119,6 +125,11 @@ class WorkloadResult:
     # the same as nproc2 with streaming stores (only where shmloader streams the batch)
     nproc_stream_limit_batches_per_s: float = 0.0
     nproc: int = 0
+    # each N-process limit's runs, one before each repeat's loader runs; the rates above are
+    # their medians (review 60: one 1-s run, taken before the loaders, moved 1.7x between runs)
+    nproc_limit_runs: list[float] = field(default_factory=list)
+    nproc2_limit_runs: list[float] = field(default_factory=list)
+    nproc_stream_limit_runs: list[float] = field(default_factory=list)
     bare_us_per_batch: float = 0.0  # collate([ds[i] ...]) in one process
     nproc_bare_batches_per_s: float = 0.0  # N processes doing only that, at once
     loaders: list[LoaderResult] = field(default_factory=list)
@@ -205,6 +216,11 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _pct(value: float | None) -> str:
+    """A percent-of-limit cell; ``!`` past 100 % (that limit is no ceiling in this run)."""
+    return _fmt(value, ".1f", "%!" if value is not None and value > 100 else "%")
+
+
 def format_table(results: list[WorkloadResult]) -> str:
     """The human table: one block per workload, the single-copy limit first, then each loader."""
     header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
@@ -212,6 +228,7 @@ def format_table(results: list[WorkloadResult]) -> str:
               "worker CPU us/batch", "peak PSS MiB")
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
+    notes_above: list[str] = []
 
     def fixed(wr: WorkloadResult, label: str, rate: float, at: str | None = None,
               extra: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -252,12 +269,16 @@ def format_table(results: list[WorkloadResult]) -> str:
             rows.append(fixed(wr, "h2d-copy", wr.h2d_limit_batches_per_s))
         for lr in wr.loaders:
             s = wr.summary(lr)
+            pcts = [_pct(s[k]) for k in ("pct_limit", "pct_nproc_limit", "pct_nproc2_limit",
+                                         "pct_nproc_stream_limit")]  # fmt: skip
+            if any(p.endswith("!") for p in pcts) and not notes_above:
+                notes_above.append(
+                    "! a loader above a limit measured in the same run: the limit's runs met a "
+                    "busier machine than the loader's; it is no ceiling in this run"
+                )
             rows.append((wr.workload, f"{lr.loader} ({lr.num_workers}w)",
                          _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
-                         _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"),
-                         _fmt(s["pct_limit"], ".1f", "%"), _fmt(s["pct_nproc_limit"], ".1f", "%"),
-                         _fmt(s["pct_nproc2_limit"], ".1f", "%"),
-                         _fmt(s["pct_nproc_stream_limit"], ".1f", "%"),
+                         _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"), *pcts,
                          _fmt(s["cpu_us_per_batch"], ",.0f"),
                          _fmt(s["worker_us_per_batch"], ",.0f"), _fmt(s["peak_pss_mb"], ",.0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -267,7 +288,7 @@ def format_table(results: list[WorkloadResult]) -> str:
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in pairs]
         lines.append("  ".join(cells).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + notes)
+    return "\n".join(lines + notes_above + notes)
 
 
 def write_files(results: list[WorkloadResult], out_dir: Path, meta: dict[str, Any]) -> list[Path]:

@@ -350,11 +350,13 @@ def make_workload(name: str, *, seed: int, quick: bool, batch_size: int | None =
     batch = batch_size or default_batch
     shape = "x".join(map(str, IMAGE_SHAPE))
     if name == "image":
-        return Workload(name, ImagePoolDataset(n, seed), batch, None, f"{n} x {shape} uint8")
+        return Workload(name, ImagePoolDataset(n, seed), batch, None,
+                        f"{n} x {shape} uint8 (a pool of {POOL_SIZE} images)")
     if name == "pinned":
         if not torch.cuda.is_available():
             raise WorkloadUnavailable("no CUDA")
-        desc = f"{n} x {shape} uint8, pin_memory=True, .to({DEVICE!r}) + synchronize; GB/s = H2D"
+        desc = (f"{n} x {shape} uint8 (a pool of {POOL_SIZE} images), pin_memory=True, "
+                f".to({DEVICE!r}) + synchronize; GB/s = H2D")
         return Workload(name, ImagePoolDataset(n, seed), batch, None, desc, True, DEVICE)
     if name == "tabular":
         desc = f"{n} rows x {TABULAR_COLUMNS} float32"

@@ -10,7 +10,9 @@ Method
 - One *run* builds a fresh loader (``persistent_workers=True`` when it has workers, unless
   ``--fresh-workers``), iterates one untimed warm-up epoch (starts the workers, faults memory in,
   measures bytes per batch), then timed epochs until ``--min-seconds`` (2 s) have passed (or one
-  epoch of ``--max-batches``), then drops the loader and
+  epoch of ``--max-batches``, whose ``iter()`` is made before the clock starts: the capped
+  warm-up leaves batches in flight, which that ``iter()`` waits for and drops), then drops the
+  loader and
   reaps every worker it started. One loader is alive at a time, so no column's memory numbers
   include another's.
 - Runs alternate: each repeat runs every column once, in the same order (torch, shmloader, torch,
@@ -42,6 +44,9 @@ Method
   rate / limit rate. The N-process limit (N = ``--workers``) is the aggregate rate of N forked
   processes each doing that copy into a private buffer at the same time for 1 s: what the
   machine's cores and memory bandwidth allow N copiers; ``% N-proc`` = loader rate / that rate.
+  Each N-process limit runs once before each repeat's loader runs (alternated with them, as they
+  are with each other) and is reported as the median of those runs; a loader above a limit is
+  marked ``!`` (the limit met a busier machine than the loader: no ceiling in that run).
   ``N-process x2 buffers`` is the same with each process alternating between two buffers, as a
   loader must (one batch filled while the consumer holds another); where N buffers fit the
   last-level cache and 2N do not, the one-buffer limit is a cache rate no loader can reach, and
@@ -81,6 +86,7 @@ import argparse
 import gc
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -164,8 +170,17 @@ def run_once(
         warm_batches, warm_bytes = drain(source, progress, consume=consume,
                                          limit=args.max_batches, count=True)
         progress.start(label)
-        cpu0, wcpu0 = time.process_time(), workers_cpu_seconds(before)
-        batches, seconds = _drain_for(source, progress, consume, args.max_batches, args.min_seconds)
+        timed: Iterable[Any] = source
+        if args.max_batches:
+            # The warm-up stopped mid-epoch: the next iter() waits for the batches still in
+            # flight and drops them (torch's _reset: 80-190 ms on image, review 60), which no
+            # whole-epoch run pays. It runs before the clock starts, for every loader.
+            timed = iter(source)
+        # Workers' CPU first: its scan of /proc is the bench's own work, not the main process's
+        # (review 60: it was counted in main CPU per batch).
+        wcpu0 = workers_cpu_seconds(before)
+        cpu0 = time.process_time()
+        batches, seconds = _drain_for(timed, progress, consume, args.max_batches, args.min_seconds)
         cpu = time.process_time() - cpu0
         worker_cpu = workers_cpu_seconds(before) - wcpu0
         progress.repeat_done(batches, seconds)
@@ -227,16 +242,6 @@ def bench_workload(
     columns = [c for c in columns if workload.device or not c.device_prefetch]
     progress.start(f"{name} | single-copy limit")
     result.limit_batches_per_s, result.limit_bytes_per_batch = single_copy_limit(workload)
-    if args.workers > 1 and not workload.device:
-        progress.start(f"{name} | {args.workers}-process limit")
-        result.nproc_limit_batches_per_s = n_process_limit(workload, args.workers)
-        result.nproc = args.workers
-        progress.start(f"{name} | {args.workers}-process limit, 2 buffers each")
-        result.nproc2_limit_batches_per_s = n_process_limit(workload, args.workers, buffers=2)
-        if streams(workload):
-            progress.start(f"{name} | {args.workers}-process limit, 2 buffers, streaming")
-            result.nproc_stream_limit_batches_per_s = n_process_limit(
-                workload, args.workers, buffers=2, stream=True)
     progress.start(f"{name} | bare fetch+collate")
     result.bare_us_per_batch = bare_fetch_collate_us(workload, seed=args.seed)
     if args.workers > 1 and not workload.device:
@@ -248,9 +253,32 @@ def bench_workload(
     rows = {c.name: LoaderResult(c.name, c.num_workers) for c in columns}
     result.loaders = list(rows.values())
     for repeat in range(args.repeats):
+        if args.workers > 1 and not workload.device:
+            _n_process_limits(workload, args.workers, result, f"{name} | repeat {repeat + 1}",
+                              progress)  # fmt: skip
         for column in columns:
             label = f"{name} | {column.name} | repeat {repeat + 1}/{args.repeats}"
             rows[column.name].add(run_once(column, workload, args, label, progress))
+
+
+def _n_process_limits(workload: Workload, n: int, result: WorkloadResult, label: str,
+                      progress: Progress) -> None:
+    """One run of each N-process limit, alternated with the loaders' runs like theirs; the
+    result's limits are the medians of the runs so far (a Ctrl-C keeps what was done)."""
+    result.nproc = n
+    kinds = [("", result.nproc_limit_runs, {}),
+             (", 2 buffers each", result.nproc2_limit_runs, {"buffers": 2})]
+    if streams(workload):
+        kinds.append((", 2 buffers, streaming", result.nproc_stream_limit_runs,
+                      {"buffers": 2, "stream": True}))
+    for what, runs, kw in kinds:
+        progress.start(f"{label} | {n}-process limit{what}")
+        runs.append(n_process_limit(workload, n, **kw))  # type: ignore[arg-type]
+    result.nproc_limit_batches_per_s = statistics.median(result.nproc_limit_runs)
+    result.nproc2_limit_batches_per_s = statistics.median(result.nproc2_limit_runs)
+    if result.nproc_stream_limit_runs:
+        result.nproc_stream_limit_batches_per_s = statistics.median(
+            result.nproc_stream_limit_runs)
 
 
 def _names(choices: Iterable[str], aliases: dict[str, str]) -> Callable[[str], list[str]]:
@@ -281,7 +309,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=None, help="timed epochs per loader (3)")
     p.add_argument("--max-batches", type=positive_int, default=None,
                    help="cap batches per epoch; each timed run is then one such epoch "
-                        "(--min-seconds does not apply)")
+                        "(--min-seconds does not apply); as the warm-up ends mid-epoch, the "
+                        "timed epoch's iter() is then made before the clock starts")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="override every batch size")
     p.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
