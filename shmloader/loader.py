@@ -172,12 +172,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
                 body["epoch_start"] = S.EpochStart.capture(self).as_dict()
             main_rng = body.pop("main_rng", None)
+            rewound = body.pop("rewound_rngs", [])
             return {
                 "format": S.FORMAT,
                 "version": S.VERSION,
                 "fingerprint": S.fingerprint(self),
                 **body,
                 "main_rng": rngstate.capture() if main_rng is None else main_rng,
+                "rewound_rngs": rewound,
             }
 
     def _check_not_inherited_mid_epoch(self) -> None:

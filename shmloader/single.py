@@ -45,6 +45,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         # While a DevicePrefetcher holds batches unseen: the global RNGs before each fetch, so
         # that a state saved behind them resumes from before their draws (rewindable()).
         self._rngs_before: deque[bytes] | None = None
+        # A resumed epoch's fetches that a state saved behind a DevicePrefetcher rewound: the
+        # global RNGs before each, as they were in the saved run (resume_state()).
+        self._rewound: deque[bytes] = deque()
         resumed = plan is not None and plan["in_epoch"]
         replica = plan["replicas"]["workers"][0] if resumed and plan["replicas"] else None  # type: ignore[index]
         if replica is not None and "state" in replica:
@@ -73,6 +76,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
                 self._replay(plan, replica)
         self._base_seed = plan["base_seed"]
         self._counted(loader, plan["yielded"])
+        self._rewound = deque(plan.get("rewound_rngs") or ())
 
     def _torch_init(self, loader: Any) -> None:
         """Torch's ``__init__``; its fetcher collates with :func:`private_default_collate` in
@@ -120,6 +124,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         super()._reset(loader, first_iter)
         self._ended = False
         self._consumed = 0
+        self._rewound.clear()
 
     def _next_index(self) -> Any:
         index = super()._next_index()  # type: ignore[no-untyped-call]
@@ -131,10 +136,33 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
 
     @one_thread("next()")
     def _next_data(self) -> Any:
+        rewound = self._rewound.popleft() if self._rewound else None
+        outer = None
+        if rewound is not None:
+            # A fetch the saved run had made ahead, behind a DevicePrefetcher: made again from
+            # the global RNGs it started from then, and leaving them as they are (the saved
+            # run's draws since, the training loop's included, are in the state's main_rng).
+            outer = rngstate.capture()
+            rngstate.restore(rewound)
+        log = self._rngs_before
+        if log is not None:
+            log.append(rngstate.capture() if rewound is None else rewound)
+        drawn = self._consumed
+        try:
+            data = self._fetch_next()
+        except BaseException:
+            if rewound is not None and self._consumed == drawn:
+                self._rewound.appendleft(rewound)  # no batch came of it: the next fetch is it
+            raise
+        finally:
+            if outer is not None:
+                rngstate.restore(outer)
+        return data
+
+    def _fetch_next(self) -> Any:
+        """Torch's ``_next_data``, with the counts a DevicePrefetcher's state needs."""
         log = self._rngs_before
         logged = log is not None
-        if log is not None:
-            log.append(rngstate.capture())
         drawn = self._consumed
         try:
             data = super()._next_data()  # type: ignore[no-untyped-call]
@@ -162,11 +190,13 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
 
     @one_thread("state_dict()")
     def resume_state(self) -> dict[str, Any] | None:
-        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), with
-        the global RNGs (``main_rng``), as of before the batches a consumer took and has not
-        handed out yet (``ahead``: a ``DevicePrefetcher``), which a resumed loader fetches
-        again, from the global RNGs as they were before the first of them; None once the epoch
-        is over with none behind (the loader records that)."""
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as
+        of before the batches a consumer took and has not handed out yet (``ahead``: a
+        ``DevicePrefetcher``), which a resumed loader fetches again, each from the global RNGs
+        as they were before it (``rewound_rngs``), leaving the global RNGs as they are now
+        (``main_rng``; review 61: restored to before the first of them, a resumed epoch left
+        before fetching them again left every later draw behind); None once the epoch is over
+        with none behind (the loader records that)."""
         behind = self.ahead
         if self._epoch_over():
             return None
@@ -179,9 +209,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             "epoch_start": self.epoch_start.as_dict(),
             "workers": [],
             "replicas": self._replicas(behind),
-            "main_rng": (
-                last_logged(self._rngs_before, behind)[0] if behind else rngstate.capture()
-            ),
+            "main_rng": rngstate.capture(),
+            "rewound_rngs": last_logged(self._rngs_before, behind) if behind else [],
         }
 
     def rewindable(self, batches: int) -> None:

@@ -25,7 +25,13 @@ data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads bac
                   (and ``ended``: True when it ran out inside the last of them);
                   the workers of the tasks in flight and torch's round-robin pointer
                   (``shmloader.progress``)
-    main_rng      the main process's torch / random / NumPy state at ``state_dict()``
+    main_rng      the main process's torch / random / NumPy state at ``state_dict()``; with
+                  workers, behind a DevicePrefetcher, as of before the draws taking the batches
+                  it holds unseen (a sampler's; the resumed loader makes them again)
+    rewound_rngs  with ``num_workers=0``, behind a DevicePrefetcher: that state before each
+                  fetch of the batches it holds unseen, oldest first; the resumed loader makes
+                  each of those fetches again from its state, leaving the global RNGs as they
+                  are (absent from states saved before it was added: [])
 
 Invariant: resuming from a state yields, bit for bit, the batches an uninterrupted run yields
 after the save point (``in_order=True``); the epoch's sampler draws are replayed from
@@ -250,6 +256,13 @@ def _check_types(sd: dict[str, Any]) -> None:
         raise bad("workers", f"a list of None or {SNAPSHOT}-byte snapshots")
     if type(sd["main_rng"]) is not bytes or len(sd["main_rng"]) != SNAPSHOT:
         raise bad("main_rng", f"a {SNAPSHOT}-byte snapshot")
+    rewound = sd.get("rewound_rngs", [])
+    if not isinstance(rewound, list) or any(
+        type(r) is not bytes or len(r) != SNAPSHOT for r in rewound
+    ):
+        raise bad("rewound_rngs", f"a list of {SNAPSHOT}-byte snapshots")
+    if rewound and (sd["workers"] or not sd["in_epoch"]):
+        raise bad("rewound_rngs", "empty but mid-epoch with num_workers=0")
     es = sd["epoch_start"]
     if not isinstance(es, dict) or type(es.get("torch_rng")) is not bytes:
         raise bad("epoch_start", "a dict with torch_rng bytes")

@@ -211,6 +211,8 @@ def test_a_state_of_other_rngs_is_refused_before_the_global_rngs_change(
         lambda sd: {**sd, "base_seed": 1 << 80},
         lambda sd: {**sd, "base_seed": -1},
         lambda sd: {**sd, "yielded": 1, "yielded_extra": [3]},  # (an in_order=True loader)
+        lambda sd: {**sd, "rewound_rngs": [b"short"]},
+        lambda sd: {**sd, "rewound_rngs": [sd["main_rng"]], "in_epoch": False},
     ],
 )
 def test_a_corrupted_state_is_refused(corrupt: Any) -> None:

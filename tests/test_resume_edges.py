@@ -532,6 +532,54 @@ def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
             assert got == rest, f"saved after {save_after}"
 
 
+def _train(loader: DataLoader[Any], depth: int, steps: list[int | None], save_after: int = 0,
+           ) -> tuple[list[tuple[bytes, float, float]], dict[str, Any] | None]:
+    """Epochs of a training loop over ``DevicePrefetcher(loader)``: epoch ``e`` takes at most
+    ``steps[e]`` batches (None: all of them), and each step draws from the global torch and
+    ``random`` RNGs as a model's dropout or a loop's own augmentation does. What each step saw
+    and drew, and the loader's state after step ``save_after`` (counted over all epochs)."""
+    seen: list[tuple[bytes, float, float]] = []
+    state = None
+    for limit in steps:
+        batches = iter(DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
+        if limit == 0:
+            continue  # the loop's iter(), and no step
+        for taken, batch in enumerate(batches, 1):
+            seen.append((batch_bytes(batch), torch.rand(()).item(), random.random()))
+            if len(seen) == save_after:
+                state = roundtrip(loader.state_dict())
+            if taken == limit:
+                break
+    return seen, state
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
+def test_without_workers_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_the_loop(
+    depth: int, leaves: bool
+) -> None:
+    """Review 61: with num_workers=0 the state behind a DevicePrefetcher set the global RNGs to
+    before the fetches it rewound, and a resumed run made them again one after another. A
+    resumed epoch left at once (a step limit the save fell on) never made them, and every later
+    draw was behind the uninterrupted run's; a training loop drawing between steps saw other
+    numbers, and the fetches made again drew after none of its draws. Each fetch made again now
+    starts from the RNGs it started from in the saved run, and leaves the global ones as the
+    saved run had them at the save."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, shuffle=True)
+
+    first = 5 if leaves else None
+    seed_all(0)
+    seen, state = _train(make(), depth, [first, None, None], save_after=5)
+    assert state is not None and state["in_epoch"] and len(state["rewound_rngs"]) > 0
+    seed_all(12345)
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [0 if leaves else None, None, None]
+    got, _ = _train(resumed, depth, rest)
+    assert got == seen[5:]
+
+
 def _saved_in_the_loop_and_resumed(
     make: Callable[[], DataLoader[Any]], prefetch: Callable[[DataLoader[Any]], Iterable[Any]]
 ) -> Iterator[tuple[int, list[bytes], list[bytes]]]:
