@@ -366,7 +366,7 @@ class _Worker:
                     continue  # torch's workers skip tasks once their replica is exhausted
                 else:
                     self.run_task(msg)
-                    if HANDED:  # shmloader.empty() memory: kept past its batch?
+                    if HANDED or self.kept.suspects:  # shmloader.empty() memory kept?
                         self.kept.look()
             elif isinstance(msg, P.Resume):
                 self.iteration_end = False
