@@ -210,7 +210,12 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             "workers": [],
             "replicas": self._replicas(behind),
             "main_rng": rngstate.capture(),
-            "rewound_rngs": last_logged(self._rngs_before, behind) if behind else [],
+            # and the fetches a resumed epoch has yet to make again (review 62: a state saved
+            # before they were all made lost them, and the next resume fetched them from the
+            # wrong RNGs)
+            "rewound_rngs": (
+                last_logged(self._rngs_before, behind) if behind else []
+            ) + list(self._rewound),
         }
 
     def rewindable(self, batches: int) -> None:

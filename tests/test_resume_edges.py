@@ -532,20 +532,24 @@ def test_a_state_saved_behind_a_device_prefetcher_resumes_at_the_users_batch(
             assert got == rest, f"saved after {save_after}"
 
 
-def _train(loader: DataLoader[Any], depth: int, steps: list[int | None], save_after: int = 0,
+def _train(loader: DataLoader[Any], depth: int | None, steps: list[int | None],
+           save_after: int = 0, draws: bool = True,
            ) -> tuple[list[tuple[bytes, float, float]], dict[str, Any] | None]:
-    """Epochs of a training loop over ``DevicePrefetcher(loader)``: epoch ``e`` takes at most
-    ``steps[e]`` batches (None: all of them), and each step draws from the global torch and
-    ``random`` RNGs as a model's dropout or a loop's own augmentation does. What each step saw
-    and drew, and the loader's state after step ``save_after`` (counted over all epochs)."""
+    """Epochs of a training loop over ``DevicePrefetcher(loader)`` (``depth`` None: over the
+    loader itself): epoch ``e`` takes at most ``steps[e]`` batches (None: all of them), and
+    with ``draws`` each step draws from the global torch and ``random`` RNGs as a model's
+    dropout or a loop's own augmentation does. What each step saw and drew, and the loader's
+    state after step ``save_after`` (counted over all epochs)."""
     seen: list[tuple[bytes, float, float]] = []
     state = None
     for limit in steps:
-        batches = iter(DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
+        batches = iter(loader if depth is None else
+                       DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
         if limit == 0:
             continue  # the loop's iter(), and no step
         for taken, batch in enumerate(batches, 1):
-            seen.append((batch_bytes(batch), torch.rand(()).item(), random.random()))
+            drawn = (torch.rand(()).item(), random.random()) if draws else (0.0, 0.0)
+            seen.append((batch_bytes(batch), *drawn))
             if len(seen) == save_after:
                 state = roundtrip(loader.state_dict())
             if taken == limit:
@@ -578,6 +582,32 @@ def test_without_workers_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_
     rest = [0 if leaves else None, None, None]
     got, _ = _train(resumed, depth, rest)
     assert got == seen[5:]
+
+
+@pytest.mark.parametrize("depth", [None, 1, 3])
+def test_without_workers_a_state_saved_before_a_resumed_epoch_remade_its_fetches_keeps_them(
+    depth: int | None,
+) -> None:
+    """Review 62: a state saved in a resumed epoch before it had made again every fetch the
+    first state rewound (its loop without a prefetcher, or with a shallower one) lost the rest,
+    and a second resume fetched those batches from the wrong RNGs. (The loop draws nothing: a
+    prefetcher of another depth takes batches at other points between its draws.)"""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, shuffle=True)
+
+    seed_all(0)
+    seen, first = _train(make(), 3, [None, None], save_after=5, draws=False)
+    assert first is not None and len(first["rewound_rngs"]) > 2
+    seed_all(1)
+    once = make()
+    once.load_state_dict(first)
+    got, second = _train(once, depth, [None, None], save_after=1, draws=False)
+    assert got == seen[5:] and second is not None
+    seed_all(2)
+    twice = make()
+    twice.load_state_dict(second)
+    again, _ = _train(twice, depth, [None, None], draws=False)
+    assert again == seen[6:]
 
 
 def _saved_in_the_loop_and_resumed(

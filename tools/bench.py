@@ -165,12 +165,13 @@ def run_once(
 
         source = DevicePrefetcher(loader, workload.device)
     consume = to_device(workload.device) if workload.device else touch
+    timed: Iterable[Any] | None = None
     try:
         progress.start(f"{label} (warm-up)")
         warm_batches, warm_bytes = drain(source, progress, consume=consume,
                                          limit=args.max_batches, count=True)
         progress.start(label)
-        timed: Iterable[Any] = source
+        timed = source
         if args.max_batches:
             # The warm-up stopped mid-epoch: the next iter() waits for the batches still in
             # flight and drops them (torch's _reset: 80-190 ms on image, review 60), which no
@@ -198,7 +199,7 @@ def run_once(
         raise
     finally:
         close(loader)
-        del loader, source
+        del loader, source, timed  # (review 62: timed kept the loader alive through the reap)
         gc.collect()
         reap(before, label, progress)
     return RunSample(

@@ -100,3 +100,27 @@ def test_a_worker_whose_command_line_names_a_helper_is_still_a_child() -> None:
         assert child.pid in {p.pid for p in children()}
     finally:
         child.communicate(b"", timeout=30)
+
+
+@pytest.mark.parametrize("max_batches", [None, 3])
+@pytest.mark.parametrize("loader", ["torch", "shmloader"])
+def test_a_runs_loader_is_gone_before_its_workers_are_reaped(
+    monkeypatch: pytest.MonkeyPatch, loader: str, max_batches: int | None
+) -> None:
+    """Review 62: a reference to the loader outlived the run's teardown, so its persistent
+    workers were still up when the run reaped them: each waited out the reap's timeout, was
+    named on stderr and terminated."""
+    from tools import _measure
+
+    monkeypatch.setattr(_measure, "REAP_TIMEOUT_S", 5.0)
+    workload = make_workload("null", seed=0, quick=True)
+    out = io.StringIO()
+    progress = Progress(out)
+    (column,) = resolve_columns([loader], 2, False, True, progress)
+    assert column.persistent
+    args = argparse.Namespace(
+        prefetch_factor=None, max_batches=max_batches, min_seconds=0.0, pss_interval=0.0, seed=0
+    )
+    run = bench.run_once(column, workload, args, f"null | {loader}", progress)
+    assert run.batches > 0
+    assert "still running" not in out.getvalue()
