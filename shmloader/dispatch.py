@@ -502,16 +502,21 @@ class Dispatch:
                     self.sup.send(wid, P.Attach(slab.spec))
         return ref
 
-    def blocked_on(self, active: Callable[[int], bool]) -> int | None:
-        """The task the consumer needs next, if it cannot move without a slot: its worker asked
-        for one, or it is decided and not sent for want of one."""
+    def blocked_on(self, active: Callable[[int], bool]) -> tuple[int, bool] | None:
+        """The task the consumer needs next, if it cannot move without a slot (its worker asked
+        for one, or it is decided and not sent for want of one), and whether it must have one.
+        With ``in_order=False`` any answer will do: a worker whose task waits for a slot is
+        idle, and while another worker is busy its answer will come, so that task gets a slot
+        only if the arena can grow for it (``must`` False); torch's idle worker would go on,
+        and one slow sample held every other worker up (review 59: 4 batches of 24 came before
+        it, against torch's 22)."""
         if not (self.asked or self.unsent):
             return None
         if self.in_order:
             nxt = self.tasks.next_in_order(active)
             if nxt is None or (nxt.seq not in self.asked and nxt.seq not in self.unsent):
                 return None
-            return nxt.seq
+            return nxt.seq, True
         if self.arrived:
             return None
         stuck = self.asked | set(self.unsent)
@@ -519,11 +524,12 @@ class Dispatch:
         for i in self.tasks:
             if i.answer is None and active(i.worker_id) and i.worker_id not in first:
                 first[i.worker_id] = i.seq
-        if any(seq not in stuck for seq in first.values()):
-            return None  # a worker is busy: its answer will come
-        return min(stuck)
+        idle = [seq for seq in first.values() if seq in stuck]
+        if any(seq not in stuck for seq in first.values()):  # a worker is busy
+            return (min(idle), False) if idle else None
+        return min(stuck), True
 
-    def unblock(self, seq: int, deadline: float | None) -> None:
+    def unblock(self, seq: int, deadline: float | None, must: bool = True) -> None:
         """Find a slot for task ``seq``, the batch the consumer needs next: wait for the GPU's
         copies from slots the copy fence holds (until ``deadline``, the loader's timeout, if one
         is set); then, for a task whose size is only the latest batches' largest, send it
@@ -533,12 +539,25 @@ class Dispatch:
         cycles); then spill finished later batches. If it still has none: while later batches
         are being written, return (the caller waits for them, and spills them here next time);
         else raise, unless the fence still holds slots when ``deadline`` has passed: then the
-        caller's timeout fires."""
+        caller's timeout fires. Unless it ``must`` have one (another worker's answer will come:
+        :meth:`blocked_on`), it only takes the slots that came back and grows the arena: it
+        waits for neither the GPU nor anything at the cap."""
         info = self.tasks.get(seq)
         assert info is not None
         nbytes = self.wanting[seq] if seq in self.asked else self.sizes.largest
         leases = self.host.leases
         guess = seq in self.unsent and seq not in self.asked
+        if not must:
+            if leases.drain():
+                self.offer()
+            if seq not in self.wanting and seq not in self.unsent:
+                return
+            self.host.end_pending()  # slots of an iterator whose ending was cut short
+            if guess:
+                self._measure(info)  # sized by its worker first, as below
+            else:
+                self._grow_for(info, nbytes)
+            return
         for step in ("drain", "grow", "give back", "collect"):
             if step == "grow":
                 self.host.end_pending()  # slots of an iterator whose ending was cut short

@@ -140,7 +140,7 @@ class NextBatch(_BaseDataLoaderIter):
             d.offer()  # slots freed by answers (spares, failures) since the last wait
             blocked = d.blocked_on(d.status.__getitem__)
             if blocked is not None:
-                d.unblock(blocked, deadline)
+                d.unblock(blocked[0], deadline, must=blocked[1])
             # Slices of WAIT_SLICE_S at most, timeout or not: one that ends with nothing read
             # looks at every worker (an exit nothing signalled: no pidfds, review 47)
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()

@@ -80,6 +80,27 @@ def test_unordered_dispatch_sends_work_past_a_stuck_worker_exactly_as_torch():
         assert [i for _, i in got] == expected_data, loader_class
 
 
+def test_unordered_dispatch_sends_work_past_a_stuck_worker_while_every_batch_is_kept():
+    """Review 59: the batches the user keeps hold their slots, so the free worker's next task
+    waited for one while the stuck worker was busy, and nothing more came until index 0 did
+    (torch's free worker goes on: every other index first)."""
+    got = {}
+    for loader_class in (torch.utils.data.DataLoader, pd.candidate_loader_class()):
+        dataset = cd.StuckFirstDataset(10)
+        loader = loader_class(dataset, batch_size=1, num_workers=2, prefetch_factor=2,
+                              in_order=False, multiprocessing_context="fork", timeout=60)
+        kept = []
+        for batch in loader:
+            kept.append(batch)
+            if int(batch[1]) == 9:  # every batch but worker 0's is here: let it go on
+                dataset.released.set()
+        got[loader_class] = [(int(w), int(i)) for w, i in kept]
+        del kept, batch, loader
+    theirs, ours = got.values()
+    assert [i for _, i in theirs][-2:] == [0, 2]  # worker 0's two, last
+    assert ours == theirs
+
+
 # ------------------------------------------------------------------------- nested tensors
 
 
