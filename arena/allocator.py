@@ -316,7 +316,8 @@ class Arena:
         """Hollow the FREE slots of class ``size`` (with ``past_cap``, only while over the cap
         plus that allowance). Returns the bytes given back."""
         done = 0
-        free, kept = self._free[size], []
+        # (.get: a class an interruption left without its free list holds no FREE slot)
+        free, kept = self._free.get(size, []), []
         while free:
             if past_cap is not None and self._reserved <= self.max_bytes + past_cap:
                 break
@@ -658,13 +659,19 @@ class Arena:
             for slab in list(self._slabs.values()):
                 slab.close()
             return
+        failed: Exception | None = None
         with self._cond:
             self._closed = True
-            self._hollow_free()  # slabs that views keep alive keep only the slots in use
+            try:
+                self._hollow_free()  # slabs that views keep alive keep only the slots in use
+            except Exception as e:  # noqa: BLE001 - raised once every slab is closed
+                failed = e  # (books an interruption left half-changed: review 59)
             slabs = list(self._slabs.values())
             self._cond.notify_all()
         for slab in slabs:
             slab.close()
+        if failed is not None:
+            raise failed
 
     def __repr__(self) -> str:
         return (

@@ -273,8 +273,8 @@ class Leases:
     def _as_owner(self, work: Callable[..., int], *args: Any) -> int:
         """``work(*args)`` under the lock, with this thread marked inside (:meth:`busy_here`)."""
         with self.lock:
-            self._inside = threading.get_ident()
-            try:
+            try:  # marked inside the try: an interruption right after leaves no mark (review 59)
+                self._inside = threading.get_ident()
                 return work(*args)
             finally:
                 self._inside = None

@@ -383,6 +383,21 @@ def test_half_built_arena_closes_safely():
     assert arena.closed
 
 
+@pytest.mark.parametrize("half", ["class without a free list", "free list without a class"])
+def test_books_an_interruption_left_half_changed_still_close_every_slab(arena, half):
+    """Review 59: a Ctrl-C between a size class's two records (a slab added or forgotten) made
+    close() raise KeyError from hollowing the free slots, before any slab was closed."""
+    acquire(arena, PAGE)
+    slabs = arena.slabs()
+    if half == "class without a free list":
+        arena._classes.append(8 * PAGE)  # as after `del _free[size]`, before `_classes.remove`
+    else:
+        arena._free[8 * PAGE] = []  # as after `_free[size] = []`, before the class went in
+    arena.close()
+    assert arena.closed
+    assert all(slab.segment.closed for slab in slabs)
+
+
 def test_slabs_lists_every_slab_once(arena):
     acquire(arena, PAGE)
     acquire(arena, 4 * PAGE)

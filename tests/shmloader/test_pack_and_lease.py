@@ -272,3 +272,33 @@ def test_a_batch_with_many_atoms_is_not_cached_but_a_small_structure_is(arena):
     got = leases2.open(msg2)
     assert torch.equal(got["x"], small["x"]) and got["kind"] == "train" and got["n"] == 4
     pack._PAYLOADS.clear()
+
+
+def test_an_interruption_right_after_a_drain_marks_its_thread_leaves_no_mark(arena):
+    """Review 59: a KeyboardInterrupt between marking the thread inside a drain and the block
+    that unmarks it left the mark for good: every later drain did nothing, and the iterator
+    refused every next() and iter() as called from inside itself."""
+    import inspect
+    import sys
+
+    leases = Leases(arena)
+    code = Leases._as_owner.__code__
+    lines, first = inspect.getsourcelines(Leases._as_owner)
+    marked = first + next(k for k, line in enumerate(lines) if "self._inside = threading" in line)
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno > marked:
+            raise KeyboardInterrupt  # as a signal handler's would, at the next line
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            leases.drain()
+    finally:
+        sys.settrace(None)
+    assert not leases.busy_here()
+    assert not leases.lock._is_owned()
