@@ -274,11 +274,25 @@ def _keep_until_forked(keep: Keep, pid: int) -> None:
 
 
 def _fork_done() -> None:
-    """After the fork (either side): lends no longer join this fork's keep."""
-    pending, _fork.pending = getattr(_fork, "pending", None), None
-    if pending is not None:
-        with _pending_lock:  # (the parent only; by identity: another fork's keep may be equal)
-            FORKS_PENDING[:] = [kept for kept in FORKS_PENDING if kept is not pending]
+    """After the fork (either side): lends no longer join this fork's keep. Nothing a fork
+    hook raises stops the fork, so an interruption takes it once more (it only removes) before
+    it is reported (review 63: a Ctrl-C there left the keep pending for good, and every batch
+    lent from then on was kept for the persistent workers: the arena grew past its cap)."""
+    pending = getattr(_fork, "pending", None)
+    if pending is None:
+        return
+    try:
+        _forget_pending(pending)
+    except BaseException:
+        _forget_pending(pending)
+        raise
+    finally:
+        _fork.pending = None
+
+
+def _forget_pending(pending: KeptTables) -> None:
+    with _pending_lock:  # (the parent only; by identity: another fork's keep may be equal)
+        FORKS_PENDING[:] = [kept for kept in FORKS_PENDING if kept is not pending]
 
 
 def _my_end(child: bool) -> int | None:
@@ -336,7 +350,15 @@ def _in_child() -> None:
 
 
 def _in_parent() -> None:
-    _fork_done()
+    try:
+        _fork_done()
+    finally:  # (interrupted there: the child still copies, and is waited for, then it is raised)
+        _wait_for_the_copy()
+
+
+def _wait_for_the_copy() -> None:
+    """The parent's side of a plain child's copy of the slots lent at the fork: wait for it
+    (at most ``COPY_WAIT_S``), then lift this fork's keep."""
     _fork.copy = False
     keep, _fork.keep = getattr(_fork, "keep", None), None
     r = _my_end(child=False)

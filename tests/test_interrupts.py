@@ -1261,3 +1261,46 @@ def test_an_arena_whose_finalizer_an_interruption_cut_short_is_closed_later(
     other = shmloader.DataLoader(Rows(), batch_size=4, num_workers=2, timeout=30)
     assert firsts(list(other)) == ALL
     assert arena.closed
+
+
+class _RaisesOnceWhenAForkIsDone:
+    """afterfork's lock, raising KeyboardInterrupt the second time the parent's after-fork hook
+    takes it to drop the fork's keep (the last worker's fork: the workers' forks share one
+    keep), as a signal handler's exception would there."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls, self.raised = real, 0, False
+
+    def __enter__(self) -> Any:
+        import sys
+
+        if sys._getframe(1).f_code.co_name == "_forget_pending":
+            self.calls += 1
+            if self.calls == 2:
+                self.raised = True
+                raise KeyboardInterrupt
+        return self.real.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.real.__exit__(*exc)
+
+
+@frees_its_loaders_on_failure
+def test_an_interruption_in_the_parents_after_fork_hook_leaves_no_fork_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 63: a Ctrl-C in the parent's after-fork hook, once it had dropped its note of the
+    fork and before it dropped the fork's keep, left the keep pending for good: every batch lent
+    from then on was kept for the persistent workers forked then, and the arena grew past its
+    cap (6.4x by the sixth epoch)."""
+    from shmloader import lease
+
+    lock = _RaisesOnceWhenAForkIsDone(afterfork._pending_lock)
+    monkeypatch.setattr(afterfork, "_pending_lock", lock)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, 1024), torch.arange(64))
+    loader = shmloader.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True,
+                                  multiprocessing_context="fork", timeout=60)  # fmt: skip
+    for _ in range(3):
+        assert sum(len(y) for _, y in loader) == 64
+        assert lease.FORKS_PENDING == [] and loader.stats().slots_kept == 0
+    assert lock.raised
