@@ -53,6 +53,7 @@ import contextlib
 import os
 import select
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -234,10 +235,25 @@ def _let_go(pid: int, keep: list[tuple[int, int]]) -> None:
 
 
 def _before() -> None:
+    # Nothing a fork hook raises stops the fork: interrupted (a signal handler's exception),
+    # the work is done once more, reusing what the first try made, before the interruption is
+    # reported (review 64: interrupted early, a plain child copied nothing and read later
+    # batches in the slots it had been forked with).
+    fresh = [True]
+    try:
+        _prepare_fork(fresh)
+    except BaseException:
+        _prepare_fork(fresh)
+        raise
+
+
+def _prepare_fork(fresh: list[bool]) -> None:
     pid = os.getpid()
-    _fork.parent = pid
-    _fork.pipe = None
-    _fork.keep = None
+    if fresh[0]:  # (this fork's first try)
+        _fork.parent = pid
+        _fork.pipe = None
+        _fork.keep = None
+        fresh[0] = False
     workers: Keep | None = getattr(_fork, "workers", None)
     _fork.worker = workers is not None
     if workers is not None:  # a shmloader worker: it shares what is lent now, until it ends
@@ -250,10 +266,12 @@ def _before() -> None:
     )
     if _fork.copy:
         # The parent's other threads run on while the child copies, and may drop those batches.
-        _fork.keep = Keep()
+        if _fork.keep is None:
+            _fork.keep = Keep()
         _keep_until_forked(_fork.keep, pid)
-        with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child still
-            _fork.pipe = os.pipe()  # copies, but the parent cannot wait for it
+        if _fork.pipe is None:
+            with contextlib.suppress(OSError):  # no pipe (no descriptors left): the child
+                _fork.pipe = os.pipe()  # still copies, but the parent cannot wait for it
 
 
 def _keep_until_forked(keep: Keep, pid: int) -> None:
@@ -263,9 +281,14 @@ def _keep_until_forked(keep: Keep, pid: int) -> None:
     other threads lent meanwhile (review 28: a worker shared, or a plain child copied, a slot
     not kept). Nothing a fork hook raises stops the fork, so an interruption takes it once
     more (it only adds) before it is reported."""
+    me = threading.get_ident()
+    keep.tables.thread = me
     _fork.pending = keep.tables
     with _pending_lock:
-        FORKS_PENDING.append(keep.tables)  # first: a lend racing the snapshot adds itself
+        # first: a lend racing the snapshot adds itself; and without what an interruption in
+        # this thread's earlier fork hooks left (this thread is in no other fork: review 64)
+        FORKS_PENDING[:] = [k for k in FORKS_PENDING if k.thread != me or k is keep.tables]
+        FORKS_PENDING.append(keep.tables)
     try:
         keep.take(pid)
     except BaseException:
@@ -278,19 +301,18 @@ def _fork_done() -> None:
     hook raises stops the fork, so an interruption takes it once more (it only removes) before
     it is reported (review 63: a Ctrl-C there left the keep pending for good, and every batch
     lent from then on was kept for the persistent workers: the arena grew past its cap)."""
-    pending = getattr(_fork, "pending", None)
-    if pending is None:
-        return
     try:
-        _forget_pending(pending)
+        _forget_pending(getattr(_fork, "pending", None))
     except BaseException:
-        _forget_pending(pending)
+        _forget_pending(getattr(_fork, "pending", None))
         raise
     finally:
         _fork.pending = None
 
 
-def _forget_pending(pending: KeptTables) -> None:
+def _forget_pending(pending: KeptTables | None) -> None:
+    if pending is None:
+        return
     with _pending_lock:  # (the parent only; by identity: another fork's keep may be equal)
         FORKS_PENDING[:] = [kept for kept in FORKS_PENDING if kept is not pending]
 
@@ -308,6 +330,31 @@ def _my_end(child: bool) -> int | None:
 
 
 def _in_child() -> None:
+    # The handshake's end first, and the word to the parent in a finally: interrupted anywhere
+    # after, the parent hears "failed" at once and warns, instead of waiting COPY_WAIT_S for a
+    # child that never copies (review 64).
+    end: list[int] = []
+    try:
+        w = _my_end(child=True)
+        if w is not None:
+            end.append(w)
+        try:
+            _child_side(end)
+        except BaseException:
+            _child_side(end)  # interrupted: once more (each step may be repeated), then raised
+            raise
+    finally:
+        for w in end:  # (still there: _child_side failed before its word)
+            with contextlib.suppress(OSError):
+                os.write(w, b"x")
+            os.close(w)
+        _fork.copy, _fork.parent = False, None  # this fork's facts, spent
+
+
+def _child_side(end: list[int]) -> None:
+    """The child's after-fork work: fresh fork books, then a plain child copies the slots its
+    parent lent at the fork and tells the parent through the pipe end in ``end`` (taken out
+    of it and closed once written)."""
     global _shared_from, _pending_lock
     # Another thread of the parent may have held it at the fork (review 29: the child's next
     # fork waited for good): a fresh one.
@@ -315,13 +362,11 @@ def _in_child() -> None:
     FORKS_PENDING.clear()  # the parent's forks; none of this process
     _fork.pending = None
     _fork.workers = None  # the parent was starting workers; a fork here is no worker's
-    copy, _fork.copy = getattr(_fork, "copy", False), False
-    parent, _fork.parent = getattr(_fork, "parent", None), None
+    copy = getattr(_fork, "copy", False)  # (reset once this is done: it may run twice)
+    parent = getattr(_fork, "parent", None)
     _fork.keep = None  # the parent's to lift
-    w = _my_end(child=True)
     if parent is None:
         return
-    done = b"x"  # copying failed: the parent warns
     keep = _lent(parent, *_shared_from)
     writing = _writing()
     if writing is not None:
@@ -330,21 +375,20 @@ def _in_child() -> None:
     # privately, as outside a worker (review 33: it handed out the parent's slot, shared,
     # whose pages the main process lends later).
     collate.end_session_after_fork()
-    if getattr(_fork, "worker", False):
+    if getattr(_fork, "worker", False) and parent not in _shared_from:
         # A shmloader worker shares its parent's lent slots uncopied: a process it forks
         # copies them (review 28: a grandchild read a slot reused once the worker ended), and
         # those its parent shares uncopied in turn.
         _shared_from = (*_shared_from, parent)
-    try:
-        if copy:
-            for addr, nbytes in keep:
-                privatize(addr, nbytes)
-        done = b"c"
-    finally:
-        if w is not None:
-            with contextlib.suppress(OSError):
-                os.write(w, done)
-            os.close(w)
+    if copy:
+        for addr, nbytes in keep:
+            privatize(addr, nbytes)  # (raising: the caller tells the parent it failed)
+    if end:
+        w = end[0]
+        with contextlib.suppress(OSError):
+            os.write(w, b"c")
+        end.clear()
+        os.close(w)
     with contextlib.suppress(OSError):  # (no memory for the page tables: a mapping stays)
         _let_go(parent, keep)
 
@@ -359,23 +403,39 @@ def _in_parent() -> None:
 def _wait_for_the_copy() -> None:
     """The parent's side of a plain child's copy of the slots lent at the fork: wait for it
     (at most ``COPY_WAIT_S``), then lift this fork's keep."""
-    _fork.copy = False
-    keep, _fork.keep = getattr(_fork, "keep", None), None
-    r = _my_end(child=False)
-    try:
+    keep: Keep | None = None
+    r: int | None = None
+    try:  # (all of it: interrupted anywhere, the pipe is closed and the keep lifted: review 64)
+        _fork.copy = False
+        keep, _fork.keep = getattr(_fork, "keep", None), None
+        r = _my_end(child=False)
+        deadline = time.monotonic() + COPY_WAIT_S
         if r is None:
             return
-        poller = select.poll()  # not select(): descriptors past 1024 are common in big jobs
-        poller.register(r, select.POLLIN)
-        if not poller.poll(int(COPY_WAIT_S * 1000)):
-            _warn(f"did not copy them within {COPY_WAIT_S:.0f} s (is it stopped?)")
-        elif os.read(r, 1) == b"x":  # (EOF: the child died first, and holds nothing)
-            _warn("could not copy them (out of memory?)")
+        try:
+            _await_copy(r, deadline)
+        except BaseException:
+            # Interrupted (a signal handler's exception; the fork goes on regardless): the
+            # child may still be copying, so it is waited for before the keep is lifted
+            # (review 64: lifted at once, the slot was reused under the child's copy).
+            with contextlib.suppress(Exception):
+                _await_copy(r, deadline)
+            raise
     finally:
         if r is not None:
             os.close(r)
         if keep is not None:
             keep.lift()
+
+
+def _await_copy(r: int, deadline: float) -> None:
+    """Wait until ``deadline`` for the child's word on ``r``: warn if it is late or failed."""
+    poller = select.poll()  # not select(): descriptors past 1024 are common in big jobs
+    poller.register(r, select.POLLIN)
+    if not poller.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        _warn(f"did not copy them within {COPY_WAIT_S:.0f} s (is it stopped?)")
+    elif os.read(r, 1) == b"x":  # (EOF: the child died first, and holds nothing)
+        _warn("could not copy them (out of memory?)")
 
 
 def _warn(what: str) -> None:

@@ -69,9 +69,21 @@ class Kept(NamedTuple):
 
 class KeptTables(dict):  # type: ignore[type-arg]
     """A keeper's :class:`Kept` entries, by ``id`` of their lease table; ``lifted`` once let
-    go, after which it takes no more."""
+    go, after which it takes no more. ``thread``: the thread whose fork it is pending for, while
+    in :data:`FORKS_PENDING`."""
 
     lifted = False
+    thread: int | None = None
+
+
+def forks_of_other_threads() -> list[KeptTables]:
+    """The keeps in :data:`FORKS_PENDING` a lend by the calling thread joins: those of forks
+    under way in other threads. A thread that lends is inside no fork of its own, so an entry
+    of its own was left by an interruption in its fork hooks, which nothing may stop (review
+    64: a Ctrl-C there kept every later batch for the workers forked then, past the cap); the
+    thread's next fork drops it (``afterfork``)."""
+    me = threading.get_ident()
+    return [kept for kept in list(FORKS_PENDING) if kept.thread != me]
 
 
 class Lease(weakref.ref):  # type: ignore[type-arg]
@@ -378,7 +390,7 @@ class Leases:
             lease.keys = tuple(keys)
             self.lends += 1  # before the lease is live: a keeper skips no live lease unwalked
             self._live[id(lease)] = lease
-            for kept in list(FORKS_PENDING) if FORKS_PENDING else ():  # (a fork under way)
+            for kept in forks_of_other_threads() if FORKS_PENDING else ():  # (a fork under way)
                 self.quarantine(kept)
             by_key = self._by_key
             for k in keys:

@@ -1304,3 +1304,33 @@ def test_an_interruption_in_the_parents_after_fork_hook_leaves_no_fork_pending(
         assert sum(len(y) for _, y in loader) == 64
         assert lease.FORKS_PENDING == [] and loader.stats().slots_kept == 0
     assert lock.raised
+
+
+@frees_its_loaders_on_failure
+def test_a_keep_an_interrupted_fork_of_this_thread_left_pending_is_joined_by_no_lend() -> None:
+    """Review 64: an interruption at the very entry of the parent's after-fork hook (before any
+    try can run) leaves the fork's keep pending; every later batch then joined the quarantine
+    of the persistent workers forked then, past the cap. A thread that lends is inside no fork
+    of its own: its lends skip such a keep, and its next fork drops it."""
+    import threading
+
+    from shmloader import lease
+
+    stale = lease.KeptTables()
+    stale.thread = threading.get_ident()
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, 1024), torch.arange(64))
+    loader = shmloader.DataLoader(data, batch_size=4, num_workers=2, persistent_workers=True,
+                                  multiprocessing_context="fork", timeout=60)  # fmt: skip
+    it = iter(loader)  # the workers are forked
+    lease.FORKS_PENDING.append(stale)  # as an interruption there leaves it
+    try:
+        for _ in range(2):
+            assert sum(len(y) for _, y in it) == 64
+            assert loader.stats().slots_kept == 0 and stale == {}
+            it = iter(loader)
+        ForkedChild(lambda: 0, timeout=30).result()  # this thread's next fork
+        assert all(kept is not stale for kept in lease.FORKS_PENDING)
+    finally:
+        with contextlib.suppress(ValueError):
+            lease.FORKS_PENDING.remove(stale)
+    del it
