@@ -287,7 +287,7 @@ def _keep_until_forked(keep: Keep, pid: int) -> None:
     with _pending_lock:
         # first: a lend racing the snapshot adds itself; and without what an interruption in
         # this thread's earlier fork hooks left (this thread is in no other fork: review 64)
-        FORKS_PENDING[:] = [k for k in FORKS_PENDING if k.thread != me or k is keep.tables]
+        FORKS_PENDING[:] = [k for k in FORKS_PENDING if k.thread != me]
         FORKS_PENDING.append(keep.tables)
     try:
         keep.take(pid)
@@ -317,44 +317,42 @@ def _forget_pending(pending: KeptTables | None) -> None:
         FORKS_PENDING[:] = [kept for kept in FORKS_PENDING if kept is not pending]
 
 
-def _my_end(child: bool) -> int | None:
-    """This side's end of the handshake pipe made before the fork (the other end closed here):
-    the child writes, the parent reads. None when no pipe was made."""
-    pipe: tuple[int, int] | None = getattr(_fork, "pipe", None)
-    _fork.pipe = None
-    if pipe is None:
-        return None
-    r, w = pipe
-    os.close(r if child else w)
-    return w if child else r
+def _take_pipe() -> tuple[int, int] | None:
+    """The handshake pipe made before the fork, ``(read end, write end)``, taken from this
+    thread's fork record in one step (review 65: read, then cleared, an interruption between
+    lost both ends); None when no pipe was made. The child writes, the parent reads."""
+    pipe: tuple[int, int] | None
+    pipe, _fork.pipe = getattr(_fork, "pipe", None), None
+    return pipe
 
 
 def _in_child() -> None:
-    # The handshake's end first, and the word to the parent in a finally: interrupted anywhere
-    # after, the parent hears "failed" at once and warns, instead of waiting COPY_WAIT_S for a
-    # child that never copies (review 64).
-    end: list[int] = []
+    # The pipe first, and the word to the parent in a finally: interrupted anywhere after, the
+    # parent hears "failed" at once and warns (review 64: it waited COPY_WAIT_S for a child that
+    # never copied). Not done twice: a step repeated after an interruption can lose what the
+    # first did (review 65: the slot being written; a range half remapped, copied as zeros).
+    pipe = _take_pipe()
+    done = b"x"  # copying failed, or was interrupted: the parent warns
+    copied = None
     try:
-        w = _my_end(child=True)
-        if w is not None:
-            end.append(w)
-        try:
-            _child_side(end)
-        except BaseException:
-            _child_side(end)  # interrupted: once more (each step may be repeated), then raised
-            raise
+        if pipe is not None:
+            os.close(pipe[0])
+        copied = _child_side()
+        done = b"c"
     finally:
-        for w in end:  # (still there: _child_side failed before its word)
+        if pipe is not None:
             with contextlib.suppress(OSError):
-                os.write(w, b"x")
-            os.close(w)
-        _fork.copy, _fork.parent = False, None  # this fork's facts, spent
+                os.write(pipe[1], done)
+            os.close(pipe[1])
+    if copied is not None:
+        with contextlib.suppress(OSError):  # (no memory for the page tables: a mapping stays)
+            _let_go(*copied)
 
 
-def _child_side(end: list[int]) -> None:
-    """The child's after-fork work: fresh fork books, then a plain child copies the slots its
-    parent lent at the fork and tells the parent through the pipe end in ``end`` (taken out
-    of it and closed once written)."""
+def _child_side() -> tuple[int, list[tuple[int, int]]] | None:
+    """The child's after-fork work: fresh fork books; then a plain child copies the slots its
+    parent lent at the fork. The parent's pid and the ranges kept, for :func:`_let_go`; None
+    when the parent's hook did not run."""
     global _shared_from, _pending_lock
     # Another thread of the parent may have held it at the fork (review 29: the child's next
     # fork waited for good): a fresh one.
@@ -362,11 +360,11 @@ def _child_side(end: list[int]) -> None:
     FORKS_PENDING.clear()  # the parent's forks; none of this process
     _fork.pending = None
     _fork.workers = None  # the parent was starting workers; a fork here is no worker's
-    copy = getattr(_fork, "copy", False)  # (reset once this is done: it may run twice)
-    parent = getattr(_fork, "parent", None)
+    copy, _fork.copy = getattr(_fork, "copy", False), False
+    parent, _fork.parent = getattr(_fork, "parent", None), None
     _fork.keep = None  # the parent's to lift
     if parent is None:
-        return
+        return None
     keep = _lent(parent, *_shared_from)
     writing = _writing()
     if writing is not None:
@@ -375,22 +373,15 @@ def _child_side(end: list[int]) -> None:
     # privately, as outside a worker (review 33: it handed out the parent's slot, shared,
     # whose pages the main process lends later).
     collate.end_session_after_fork()
-    if getattr(_fork, "worker", False) and parent not in _shared_from:
+    if getattr(_fork, "worker", False):
         # A shmloader worker shares its parent's lent slots uncopied: a process it forks
         # copies them (review 28: a grandchild read a slot reused once the worker ended), and
         # those its parent shares uncopied in turn.
         _shared_from = (*_shared_from, parent)
     if copy:
         for addr, nbytes in keep:
-            privatize(addr, nbytes)  # (raising: the caller tells the parent it failed)
-    if end:
-        w = end[0]
-        with contextlib.suppress(OSError):
-            os.write(w, b"c")
-        end.clear()
-        os.close(w)
-    with contextlib.suppress(OSError):  # (no memory for the page tables: a mapping stays)
-        _let_go(parent, keep)
+            privatize(addr, nbytes)
+    return parent, keep
 
 
 def _in_parent() -> None:
@@ -402,28 +393,36 @@ def _in_parent() -> None:
 
 def _wait_for_the_copy() -> None:
     """The parent's side of a plain child's copy of the slots lent at the fork: wait for it
-    (at most ``COPY_WAIT_S``), then lift this fork's keep."""
+    (at most ``COPY_WAIT_S``), then lift this fork's keep. Interrupted (a signal handler's
+    exception; the fork goes on regardless), it does what is left, the wait included, before
+    the keep is lifted and the interruption goes on (reviews 64, 65: lifted at once, the slot
+    was reused under the child's copy)."""
+    deadline = time.monotonic() + COPY_WAIT_S
     keep: Keep | None = None
-    r: int | None = None
-    try:  # (all of it: interrupted anywhere, the pipe is closed and the keep lifted: review 64)
+    pipe: tuple[int, int] | None = None
+    waited = False
+    try:
         _fork.copy = False
         keep, _fork.keep = getattr(_fork, "keep", None), None
-        r = _my_end(child=False)
-        deadline = time.monotonic() + COPY_WAIT_S
-        if r is None:
-            return
-        try:
-            _await_copy(r, deadline)
-        except BaseException:
-            # Interrupted (a signal handler's exception; the fork goes on regardless): the
-            # child may still be copying, so it is waited for before the keep is lifted
-            # (review 64: lifted at once, the slot was reused under the child's copy).
-            with contextlib.suppress(Exception):
-                _await_copy(r, deadline)
-            raise
+        pipe = _take_pipe()
+        if pipe is not None:
+            os.close(pipe[1])
+            _await_copy(pipe[0], deadline)
+        waited = True
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if keep is None:
+                keep, _fork.keep = getattr(_fork, "keep", None), None
+            if pipe is None:
+                pipe = _take_pipe()
+                if pipe is not None:
+                    os.close(pipe[1])
+            if pipe is not None and not waited:
+                _await_copy(pipe[0], deadline)
+        raise
     finally:
-        if r is not None:
-            os.close(r)
+        if pipe is not None:
+            os.close(pipe[0])
         if keep is not None:
             keep.lift()
 

@@ -971,3 +971,34 @@ def test_a_process_forked_in_a_task_copies_what_is_allocated_after_the_fork_hook
     # uncopied: it read a later batch there (12.0, not 508.0).
     out = _run_script(_ALLOCATES_AFTER_THE_HOOK)
     assert out.split() == ["508.0"], out
+
+
+def test_a_child_whose_copy_is_interrupted_says_so_and_the_parent_warns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 65: a child's copy interrupted (a signal handler's exception in the at-fork hook)
+    was made once more; a copy cut short had already remapped its range, so the second read
+    zeros, and the child told the parent it had copied. An interrupted copy is not made again:
+    the child says it failed, and the parent warns that the child may see later batches."""
+    import warnings
+
+    loader = shmloader.DataLoader(
+        TorchRows(400, 256), batch_size=4, num_workers=2, timeout=LOADER_TIMEOUT_S
+    )
+    it = iter(loader)
+    held = next(it)
+    calls: list[int] = []
+
+    def cut_short(addr: int, nbytes: int) -> None:
+        """In the child: the first copy is interrupted; another would 'succeed'."""
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(afterfork, "privatize", cut_short)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ForkedChild(lambda: len(calls), HANG_S).result()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("could not copy them" in s for s in said), said
+    del held, it
