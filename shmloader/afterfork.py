@@ -45,6 +45,12 @@ Invariants:
   memory bank) still sees those batches as they were.
 - Nothing here takes a lock in the child (another thread of the parent may have held it at the
   fork): the child reads its copy of the parent's tables under the GIL.
+- An interruption in a hook (a signal handler's exception: CPython reports it and forks on) is
+  survived: the parent's before-fork work is done once more, reusing what the first try made;
+  a pending keep names its forking thread, whose lends skip it and whose next fork drops it;
+  the parent waits for the child's copy whatever it was interrupted at; the child copies once,
+  and says it failed if interrupted, so that the parent warns (reviews 63-65). Not covered: a
+  hook's first lines, before any ``try`` (the interpreter checks for signals on entry).
 """
 
 from __future__ import annotations
