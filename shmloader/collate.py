@@ -413,13 +413,14 @@ def private_default_collate(batch: Any) -> Any:
     error messages (``shmloader.arrow``'s ragged-column hint) are the same with and without
     workers, and whole columns are gathered instead of rows."""
     if isinstance(batch, GatheredRows):
-        out = batch.collate_into(_private_empty)
+        out = batch.collate_into(private_empty)
         if out is not NotImplemented:
             return out
     return torch.utils.data.default_collate(batch)
 
 
-def _private_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def private_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An :data:`Alloc` in this process's own memory, whatever session is current."""
     return torch.empty(shape, dtype=dtype)
 
 

@@ -38,7 +38,6 @@ from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
-import torch
 from torch.utils.data import Dataset
 
 from shmloader.arrow.build import build_plan, first_null_row
@@ -46,13 +45,9 @@ from shmloader.arrow.columns import Gatherer, Plan, Ragged, Where
 from shmloader.arrow.errors import ArrowSourceError
 from shmloader.arrow.rows import ArrowRows
 from shmloader.arrow.shard import Shard, ShardSpec
-from shmloader.collate import Alloc
+from shmloader.collate import Alloc, private_empty
 
 Source: TypeAlias = "str | os.PathLike[str] | pa.Table | Sequence[str | os.PathLike[str]]"
-
-
-def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
 
 
 class ArrowDataset(Dataset[dict[str, Any]]):
@@ -254,7 +249,7 @@ class ArrowDataset(Dataset[dict[str, Any]]):
 
     def _rows(self, where: Where) -> list[dict[str, Any]]:
         """The rows ``where`` as item dicts (one gather into private memory, then split)."""
-        batch = self._collate(where, _torch_empty, "rows")
+        batch = self._collate(where, private_empty, "rows")
         parts = {c: p.split(batch[c], len(where)) for c, p in self._plans.items()}
         return [{c: v[r] for c, v in parts.items()} for r in range(len(where))]
 
