@@ -547,18 +547,10 @@ class Dispatch:
         nbytes = self.wanting[seq] if seq in self.asked else self.sizes.largest
         leases = self.host.leases
         guess = seq in self.unsent and seq not in self.asked
-        if not must:
-            if leases.drain():
-                self.offer()
-            if seq not in self.wanting and seq not in self.unsent:
-                return
-            self.host.end_pending()  # slots of an iterator whose ending was cut short
-            if guess:
-                self._measure(info)  # sized by its worker first, as below
-            else:
-                self._grow_for(info, nbytes)
-            return
-        for step in ("drain", "grow", "give back", "collect"):
+        # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
+        frees = (leases.drain, lambda: self._settle(deadline)) if must else (leases.drain,)
+        steps = ("drain", "grow", "give back", "collect") if must else ("drain", "grow")
+        for step in steps:
             if step == "grow":
                 self.host.end_pending()  # slots of an iterator whose ending was cut short
             elif step == "give back":
@@ -566,8 +558,7 @@ class Dispatch:
                 self._make_room()
             elif step == "collect":
                 gc.collect()
-            # Dead batches' slots; then those the copy fence holds, once the GPU passed them.
-            for free in (leases.drain, lambda: self._settle(deadline)):
+            for free in frees:
                 if free():
                     self.offer()
                     if seq not in self.wanting and seq not in self.unsent:
@@ -584,6 +575,8 @@ class Dispatch:
                 return
             if self._grow_for(info, nbytes):
                 return
+        if not must:
+            return  # another worker's answer will come
         if self._spill_after(info, nbytes):
             return
         if self._slots_coming_back():
