@@ -407,25 +407,28 @@ def _wait_for_the_copy() -> None:
     keep: Keep | None = None
     pipe: tuple[int, int] | None = None
     waited = False
-    try:
+
+    def steps() -> None:
+        """Each step once: called again after an interruption, it does what is left."""
+        nonlocal keep, pipe, waited
         _fork.copy = False
-        keep, _fork.keep = getattr(_fork, "keep", None), None
-        pipe = _take_pipe()
-        if pipe is not None:
-            os.close(pipe[1])
+        if keep is None:
+            keep, _fork.keep = getattr(_fork, "keep", None), None
+        if pipe is None:
+            pipe = _take_pipe()
+            if pipe is not None:
+                os.close(pipe[1])
+        if pipe is not None and not waited:
             _await_copy(pipe[0], deadline)
         waited = True
-    except BaseException:
-        with contextlib.suppress(Exception):
-            if keep is None:
-                keep, _fork.keep = getattr(_fork, "keep", None), None
-            if pipe is None:
-                pipe = _take_pipe()
-                if pipe is not None:
-                    os.close(pipe[1])
-            if pipe is not None and not waited:
-                _await_copy(pipe[0], deadline)
-        raise
+
+    try:
+        try:
+            steps()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                steps()
+            raise
     finally:
         if pipe is not None:
             os.close(pipe[0])
