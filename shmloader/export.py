@@ -2,10 +2,10 @@
 
 Off unless the environment names a file descriptor: ``SHMLOADER_STATS_FD=N`` (a pipe a profiler
 such as ``python -m tools.memprof`` passes to the job it runs). Then each loader's main process
-writes one line ``{"kind": "arena", "t": <CLOCK_MONOTONIC seconds>, "pid": ..., <stats row>}``
-every ``SHMLOADER_STATS_INTERVAL`` seconds (default 0.1) from its first yielded batch on, whether
-or not batches are still being yielded, and once more at interpreter exit; and a line
-``{"kind": "workers", "pids": [...]}`` when workers start.
+writes one line ``{"kind": "arena", "t": <CLOCK_MONOTONIC seconds>, "pid": ..., "loader": ...,
+<stats row>}`` every ``SHMLOADER_STATS_INTERVAL`` seconds (default 0.1) from its first yielded
+batch on, whether or not batches are still being yielded, and once more at interpreter exit;
+and a line ``{"kind": "workers", "pids": [...]}`` when workers start.
 
 Why a thread: a row written only as batches are yielded (at most once per interval) never shows
 the state after the last yields of a burst, which is where a job that keeps its batches peaks and
@@ -15,6 +15,10 @@ has passed without a row. Yields keep writing on the leading edge, so a row foll
 within one interval either way, and the per-batch cost while the interval has not passed stays a
 clock read and a comparison. An ``atexit`` hook writes the state the process ends in, which can
 be less than an interval after the last row.
+
+``loader`` numbers the exports (one per loader arena) of the process that made them, so rows of
+several loaders, or of several processes (ranks), are told apart by ``(pid, loader)``: a profiler
+sums them (``tools._memrecord``), never takes one loader's row for the job's.
 
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
 processes (ranks, several loaders) and threads never interleave; when unset, the per-batch cost is
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -49,6 +54,7 @@ Snapshot = Callable[[], LoaderStats]
 _exporting: weakref.WeakSet[StatsExport] = weakref.WeakSet()  # exports with a thread, for atexit
 _exit_hook = threading.Lock()
 _exit_hooked = False
+_serials = itertools.count(1)  # the exports of this process, in the order made
 
 
 class StatsExport:
@@ -58,6 +64,7 @@ class StatsExport:
     def __init__(self, fd: int, interval: float) -> None:
         self.fd = fd
         self.interval = interval
+        self.loader = next(_serials)  # with the pid, names this loader's rows (module docstring)
         self._next = 0.0
         self._claim = threading.Lock()  # one row per interval between the yields and the thread
         self._source: Callable[[], Snapshot | None] | None = None  # the loader's, held weakly
@@ -102,7 +109,8 @@ class StatsExport:
         self._row(snapshot, now)
 
     def _row(self, snapshot: Snapshot, now: float) -> None:
-        self.write({"kind": "arena", "t": now, "pid": os.getpid(), **snapshot().as_row()})
+        row = snapshot().as_row()
+        self.write({"kind": "arena", "t": now, "pid": os.getpid(), "loader": self.loader, **row})
 
     def _start(self, snapshot: Snapshot) -> None:
         global _exit_hooked

@@ -1,4 +1,4 @@
-"""Measurement helpers shared by the benchmarks: timed loops, copy limits, PSS, child reaping.
+"""Measurement helpers shared by the benchmarks: timed loops, copy limits, memory, child reaping.
 
 - ``drain`` consumes batches from a loader (or an iterator over one) and counts them; ``touch``
   and ``to_device`` are the two ways a batch is consumed.
@@ -7,8 +7,9 @@
 - ``single_copy_limit`` times ``torch.stack(samples, out=preallocated)`` of one batch on one
   thread; ``h2d_limit`` times the host-to-device copy of one pinned batch. Both report batches/s
   from the median of at least ``LIMIT_REPEATS[0]`` timed copies after ``LIMIT_WARMUP`` untimed ones.
-- ``PssSampler`` tracks the peak summed PSS of this process and its children in a thread; the
-  bench runs it in a pass of its own after the timed one, so its CPU is in no timed figure.
+- ``FootprintSampler`` tracks the peak memory footprint of this process and its children in a
+  thread (memprof's footprint: private PSS plus shared memory counted once, unmapped included);
+  the bench runs it in a pass of its own after the timed one, so its CPU is in no timed figure.
 - ``workers_cpu_seconds`` reads the CPU of the children a run started, live or reaped.
 - The bare loops fetch as the loaders' workers do (``__getitems__`` where the dataset has one)
   and freeze what they inherit, as shmloader's workers do; ragged samples are copied with their
@@ -47,6 +48,7 @@ except ModuleNotFoundError as exc:  # the one package the tools add to shmloader
         name="psutil",
     ) from exc
 
+from ._procmem import read_anon_shmem, read_mem, read_shm
 from ._report import Progress
 from ._synthetic import Workload
 
@@ -365,29 +367,28 @@ def h2d_limit(workload: Workload, device: str) -> tuple[float, int]:
 # -- memory --------------------------------------------------------------------------------------
 
 
-def _pss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        return 0
-    return 0
+class FootprintSampler:
+    """Context manager: a thread tracking the peak footprint of this process and its children,
+    as ``tools.memprof`` defines it (``tools._memrecord``): each process's private PSS (``Pss -
+    Pss_Shmem``), plus the shared memory the tree holds counted once, mapped or not: the growth
+    of ``/dev/shm`` since ``shm_baseline`` (read before the loader was made) and the memfds and
+    other shared memory outside it (``tools._procmem.read_anon_shmem``). A plain PSS sum counts
+    shared memory only where a process maps it: torch's queued batches, ``/dev/shm`` files no
+    process has mapped yet, were left out, while shmloader's arena, mapped in every process,
+    counted whole (review 66: 1.19x torch's PSS for a 1.01x footprint). Like memprof's, it
+    assumes nothing else grows ``/dev/shm`` meanwhile. ``__enter__`` returns once the first
+    sample is taken."""
 
-
-class PssSampler:
-    """Context manager: a thread tracking the peak summed PSS of this process and its children.
-    ``__enter__`` returns once the first sample is taken."""
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s  # <= 0: no sampling, peak_kb stays 0
-        self.peak_kb = 0
+    def __init__(self, interval_s: float, shm_baseline: int) -> None:
+        self.interval_s = interval_s  # <= 0: no sampling, peak_bytes stays 0
+        self.shm_baseline = shm_baseline
+        self.peak_bytes = 0
         self._ready = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="bench-memory-sampler",
+                                        daemon=True)
 
-    def __enter__(self) -> PssSampler:
+    def __enter__(self) -> FootprintSampler:
         if self.interval_s > 0:
             self._thread.start()
             self._ready.wait(timeout=REAP_TIMEOUT_S)
@@ -402,7 +403,13 @@ class PssSampler:
 
     def _sample(self, me: psutil.Process) -> None:
         pids = [me.pid, *(child.pid for child in me.children(recursive=True))]
-        self.peak_kb = max(self.peak_kb, sum(_pss_kb(pid) for pid in pids))
+        private = 0
+        for pid in pids:
+            mem = read_mem(pid)
+            if mem is not None:  # (it exited since the list was made: it holds nothing)
+                private += mem.pss - mem.pss_shmem
+        shared = max(0, read_shm().used_bytes - self.shm_baseline) + read_anon_shmem(pids)
+        self.peak_bytes = max(self.peak_bytes, private + shared)
 
     def _run(self) -> None:
         me = psutil.Process()

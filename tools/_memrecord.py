@@ -5,7 +5,9 @@
 - shm: ``/dev/shm`` used bytes and entries per tick, and the bytes of shared memory outside
   ``/dev/shm`` (memfds, shared anonymous mappings, SysV segments) the tree holds, each object once
   (``tools._procmem.read_anon_shmem``);
-- arena: the rows the job reported from ``loader.stats()`` (shmloader only).
+- arena: the rows the job reported from ``loader.stats()`` (shmloader only), each from one loader:
+  ``(pid, loader)`` names it (``shmloader.export``; a built-in job's rows have neither: one
+  loader).
 
 Invariants:
 - ``peak_total_pss`` is the largest, over ticks, of the PSS summed over the processes alive at
@@ -20,6 +22,11 @@ Invariants:
   docs/memory.md). It assumes nothing else grows ``/dev/shm`` meanwhile; shared memory the job
   only maps from elsewhere (a ``/dev/shm`` file that existed before it started, a file on
   another tmpfs) is left out.
+- The arena summary is the job's, whatever the number of loaders and processes: at each row's
+  time, the latest row of every loader live then (from its first row to its last) are combined,
+  amounts summed (``combine``); its peaks are those of the combined rows, and ``per_loader``
+  gives each loader's own. A loader stops writing rows when it is gone, so a finished loader's
+  memory is not carried past its last row.
 - A process's role is the one it has when the files are written (workers are named by the job
   after their first sample), so every row of one pid carries the same role.
 - Files are written once, at the end, from the same rows the summary is computed from, so the
@@ -47,7 +54,50 @@ ARENA_COLUMNS = (
     "batches_held", "pinned_bytes",
 )
 # Bytes a loader holds beside its arena's reserved count, whose peaks the summary reports.
-OUTSIDE_ARENA = ("bytes_spilled", "bytes_rng_rings", "bytes_retired", "bytes_kept")
+# (``bytes_kept`` is not one: kept slots are lent slots, inside ``bytes_reserved``.)
+OUTSIDE_ARENA = ("bytes_spilled", "bytes_rng_rings", "bytes_retired")
+# Fields of an arena row that name it rather than measure it: never summed across loaders.
+_ROW_NAMES = ("t", "pid", "loader")
+
+
+def loader_of(row: dict[str, Any]) -> tuple[int, int]:
+    """The loader an arena row is from: ``(pid, loader)`` (0, 0 for a built-in job's rows)."""
+    return int(row.get("pid", 0)), int(row.get("loader", 0))
+
+
+def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several loaders' rows of one moment as one: amounts summed, text fields (backend, slot
+    sizes) each distinct value once, joined by `` + ``."""
+    amounts: dict[str, float] = {}
+    texts: dict[str, list[str]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key in _ROW_NAMES:
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                amounts[key] = amounts.get(key, 0) + value
+            else:
+                seen = texts.setdefault(key, [])
+                if str(value) not in seen:
+                    seen.append(str(value))
+    return {**amounts, **{key: " + ".join(values) for key, values in texts.items()}}
+
+
+def arena_timeline(rows: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any], int]]:
+    """``(t, combined row, loaders live)`` at each row's time: the latest row of every loader
+    live at ``t`` (its first row at or before ``t``, its last at or after it), combined."""
+    last_t: dict[tuple[int, int], float] = {}
+    for row in rows:
+        key = loader_of(row)
+        last_t[key] = max(last_t.get(key, row["t"]), row["t"])
+    latest: dict[tuple[int, int], dict[str, Any]] = {}
+    out = []
+    for row in sorted(rows, key=lambda r: r["t"]):
+        latest[loader_of(row)] = row
+        t = row["t"]
+        live = [r for key, r in latest.items() if last_t[key] >= t]
+        out.append((t, combine(live), len(live)))
+    return out
 
 
 @dataclass
@@ -167,24 +217,62 @@ class Recording:
     def _arena_summary(self) -> dict[str, Any] | None:
         if not self.arena:
             return None
-        last = self.arena[-1]
+        timeline = arena_timeline(self.arena)
+        by_loader: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for row in self.arena:
+            by_loader.setdefault(loader_of(row), []).append(row)
+        lasts = [rows[-1] for rows in by_loader.values()]
 
-        def peak(key: str) -> int:
-            return max(int(row.get(key, 0)) for row in self.arena)
+        def peak(key: str, rows: list[dict[str, Any]] | None = None) -> int:
+            if rows is not None:
+                return max(int(row.get(key, 0)) for row in rows)
+            return max(int(row.get(key, 0)) for _, row, _ in timeline)
 
+        per_loader = [
+            {
+                "pid": pid, "loader": loader, "first_t": rows[0]["t"], "last_t": rows[-1]["t"],
+                "backend": rows[-1].get("backend", ""),
+                "slot_sizes": rows[-1].get("slot_sizes", ""),
+                "peak_bytes_reserved": peak("bytes_reserved", rows),
+                "peak_bytes_in_use": peak("bytes_in_use", rows),
+                "slots_total": peak("slots_total", rows),
+                "growth_events": peak("growth_events", rows),
+                "peak_batches_held": peak("batches_held", rows),
+            }
+            for (pid, loader), rows in by_loader.items()
+        ]  # fmt: skip
+        last = combine(lasts)
         return {
+            "loaders": len(by_loader),
+            "loader_processes": len({pid for pid, _ in by_loader}),
+            "loaders_live_at_most": max(n for _, _, n in timeline),
             "backend": last.get("backend", ""),
             "peak_bytes_reserved": peak("bytes_reserved"),
             "peak_bytes_in_use": peak("bytes_in_use"),
             "high_water_bytes": peak("high_water_bytes"),
             "slots_total": peak("slots_total"),
             "slot_sizes": last.get("slot_sizes", ""),
-            "growth_events": peak("growth_events"),
+            "growth_events": sum(p["growth_events"] for p in per_loader),
             "peak_batches_held": peak("batches_held"),
             "peak_pinned_bytes": peak("pinned_bytes"),
+            "peak_bytes_kept": peak("bytes_kept"),
             **{f"peak_{key}": peak(key) for key in OUTSIDE_ARENA},
             "samples": len(self.arena),
+            "per_loader": per_loader,
         }
+
+    def live_arena(self, stale_s: float) -> dict[str, Any] | None:
+        """The loaders' latest rows combined, of those that wrote one within ``stale_s`` of the
+        newest (a loader that is gone writes no more): what ``--live`` shows."""
+        latest: dict[tuple[int, int], dict[str, Any]] = {}
+        for row in self.arena:
+            key = loader_of(row)
+            if key not in latest or row["t"] >= latest[key]["t"]:
+                latest[key] = row
+        if not latest:
+            return None
+        newest = max(row["t"] for row in latest.values())
+        return combine([row for row in latest.values() if row["t"] >= newest - stale_s])
 
     # -- files ----------------------------------------------------------------------------------
 
@@ -241,16 +329,27 @@ def format_summary(s: dict[str, Any]) -> str:
                  f"outside /dev/shm peak: {mib(shm['peak_memfd_bytes'])} MiB")
     arena = s["arena"]
     if arena:
-        lines.append(f"   arena peak: {mib(arena['peak_bytes_reserved'])} MiB reserved "
-                     f"({arena['backend']}, {arena['slots_total']} slots of "
-                     f"{arena['slot_sizes']} B, growth events: {arena['growth_events']}), "
+        many = arena.get("loaders", 1) > 1
+        procs = arena.get("loader_processes", 1)
+        whose = (f", {arena['loaders']} loaders in {procs} process{'es' if procs > 1 else ''}, "
+                 f"at most {arena['loaders_live_at_most']} at once, summed" if many else "")
+        slots = (f"{arena['slots_total']} slots of {arena['slot_sizes']} B, " if not many
+                 else f"{arena['slots_total']} slots, ")
+        lines.append(f"   arena peak{whose}: {mib(arena['peak_bytes_reserved'])} MiB reserved "
+                     f"({arena['backend']}, {slots}growth events: {arena['growth_events']}), "
                      f"{mib(arena['peak_bytes_in_use'])} MiB in use at most, "
-                     f"{arena['peak_batches_held']} batches held at most")
+                     f"{arena['peak_batches_held']} batches held at most, "
+                     f"{mib(arena['peak_bytes_kept'])} MiB of it kept for forked workers at most")
         lines.append(f"   beside the arena, at most: {mib(arena['peak_bytes_spilled'])} MiB of "
                      f"spilled batches, {mib(arena['peak_bytes_rng_rings'])} MiB of RNG rings, "
                      f"{mib(arena['peak_bytes_retired'])} MiB held in retired arenas; "
-                     f"{mib(arena['peak_bytes_kept'])} MiB kept for forked workers, "
                      f"{mib(arena['peak_pinned_bytes'])} MiB page-locked")
+        for p in arena.get("per_loader", []) if many else []:
+            lines.append(f"     loader {p['loader']} of pid {p['pid']} "
+                         f"(t={p['first_t']:.2f}-{p['last_t']:.2f} s): "
+                         f"{mib(p['peak_bytes_reserved'])} MiB reserved at most ({p['backend']}, "
+                         f"{p['slots_total']} slots of {p['slot_sizes']} B), "
+                         f"{p['peak_batches_held']} batches held at most")
     header = ("pid", "role", "name", "first PSS", "peak PSS", "first USS", "peak USS",
               "peak RSS", "peak shmem", "seen (s)")
     rows = [header]

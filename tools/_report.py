@@ -20,8 +20,9 @@ summary from them, so the table, the JSON and the CSV can never disagree:
 - ``nproc_bare_batches_per_s`` N processes each running the bare fetch + collate loop at once:
                      what N workers could deliver with no loader cost; its ``x torch-0`` cell
                      is the most any N-worker loader can reach against ``torch-0`` here
-- ``peak_pss_mb``    maximum over repeats of the peak PSS of the main process plus its children,
-                     in MiB (2**20 bytes; the column keeps its old name)
+- ``peak_footprint_mb`` maximum over repeats of the peak footprint of the main process and its
+                     children (private PSS plus shared memory counted once, mapped or not:
+                     ``tools._measure.FootprintSampler``), in MiB (2**20 bytes)
 - ratios             ``batches_per_s / other.batches_per_s``, a ratio of the two medians (not
                      a median of per-repeat ratios); ``pct_limit`` is against the single-copy
                      limit. A loader above a limit (over 100 %) is marked ``!`` in the table:
@@ -43,7 +44,8 @@ from typing import Any, TextIO
 PROGRESS_INTERVAL_S = 0.1  # at most this often the TTY progress line is redrawn
 SUMMARY_KEYS = ("batches_per_s", "gb_per_s", "x_torch", "x_torch0", "pct_limit",
                 "pct_nproc_limit", "pct_nproc2_limit", "pct_nproc_stream_limit",
-                "cpu_us_per_batch", "worker_us_per_batch", "worker_overhead_us", "peak_pss_mb")
+                "cpu_us_per_batch", "worker_us_per_batch", "worker_overhead_us",
+                "peak_footprint_mb")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class RunSample:
     batches: int
     seconds: float
     cpu_seconds: float
-    peak_pss_mb: float
+    peak_footprint_mb: float
     bytes_per_batch: float
     worker_cpu_seconds: float = 0.0
 
@@ -67,7 +69,7 @@ class LoaderResult:
     batches_per_repeat: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     cpu_seconds: list[float] = field(default_factory=list)
-    peak_pss_mb: list[float] = field(default_factory=list)
+    peak_footprint_mb: list[float] = field(default_factory=list)
     worker_cpu_seconds: list[float] = field(default_factory=list)
     bytes_per_batch: float = 0.0
 
@@ -76,7 +78,7 @@ class LoaderResult:
         self.batches_per_repeat.append(run.batches)
         self.seconds.append(run.seconds)
         self.cpu_seconds.append(run.cpu_seconds)
-        self.peak_pss_mb.append(run.peak_pss_mb)
+        self.peak_footprint_mb.append(run.peak_footprint_mb)
         self.bytes_per_batch = run.bytes_per_batch
 
     @property
@@ -105,8 +107,8 @@ class LoaderResult:
         return statistics.median(per_batch) if per_batch else 0.0
 
     @property
-    def peak_pss(self) -> float:
-        return max(self.peak_pss_mb, default=0.0)
+    def peak_footprint(self) -> float:
+        return max(self.peak_footprint_mb, default=0.0)
 
 
 @dataclass
@@ -162,7 +164,7 @@ class WorkloadResult:
             "worker_overhead_us": (
                 result.worker_us - self.bare_us_per_batch if result.num_workers else None
             ),
-            "peak_pss_mb": result.peak_pss or None,
+            "peak_footprint_mb": result.peak_footprint or None,
         }
 
 
@@ -225,7 +227,7 @@ def format_table(results: list[WorkloadResult]) -> str:
     """The human table: one block per workload, the single-copy limit first, then each loader."""
     header = ("workload", "loader", "batches/s", "GB/s", "x torch", "x torch-0", "% limit",
               "% N-proc", "% N-proc x2", "% N-proc stream", "main CPU us/batch",
-              "worker CPU us/batch", "peak PSS MiB")
+              "worker CPU us/batch", "peak footprint MiB")
     rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     notes_above: list[str] = []
@@ -280,7 +282,8 @@ def format_table(results: list[WorkloadResult]) -> str:
                          _fmt(s["batches_per_s"], ",.1f"), _fmt(s["gb_per_s"], ".2f"),
                          _fmt(s["x_torch"], ".2f"), _fmt(s["x_torch0"], ".2f"), *pcts,
                          _fmt(s["cpu_us_per_batch"], ",.0f"),
-                         _fmt(s["worker_us_per_batch"], ",.0f"), _fmt(s["peak_pss_mb"], ",.0f")))
+                         _fmt(s["worker_us_per_batch"], ",.0f"),
+                         _fmt(s["peak_footprint_mb"], ",.0f")))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = []
     for r in [header, *rows]:

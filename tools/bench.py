@@ -17,7 +17,7 @@ Method
   include another's.
 - Runs alternate: each repeat runs every column once, in the same order (torch, shmloader, torch,
   shmloader, ...), so drift of the machine hits all columns alike. Reported: medians over
-  ``--repeats``; peak PSS is the maximum.
+  ``--repeats``; peak footprint is the maximum.
 - The timed loop reads one element of each batch's first tensor and drops the batch before asking
   for the next one.
 - ``pinned`` (CUDA only; without CUDA it prints ``pinned: skipped: no CUDA`` and the other
@@ -30,15 +30,21 @@ Method
 - Main CPU per batch = ``time.process_time()`` delta over the timed loop, divided by batches. It
   counts every other thread of the main process (pin-memory or receiver threads): the cost a
   training loop pays.
-- Peak PSS = maximum, over samples taken every ``--pss-interval`` (50 ms) by a background thread,
-  of the summed ``Pss:`` of ``/proc/<pid>/smaps_rollup`` of the main process and its children,
-  during a *memory pass* of its own: the same loader, right after the timed loop, whole epochs
-  for at least 0.5 s, untimed. A sample costs milliseconds of kernel CPU (the kernel walks the page
-  tables: about 10 ms for a main process and two workers here), so sampling during the timed
-  loop took 10-15 % off a multi-process loader's rate on 2 cores (tabular, 2 workers, 3
-  alternated pairs: 3,725-3,889 against 4,409-4,519 batches/s) and 2-4 % off ``torch-0``'s,
-  whose single process leaves the sampler a core of its own. ``--pss-interval 0`` skips the
-  memory pass (the peak PSS cells are then empty).
+- Peak footprint = maximum, over samples taken every ``--pss-interval`` (50 ms) by a background
+  thread, of the job's memory as ``tools.memprof`` counts its footprint: the private PSS
+  (``Pss - Pss_Shmem`` of ``/proc/<pid>/smaps_rollup``) of the main process and its children,
+  plus the shared memory they hold counted once, mapped or not (``/dev/shm``'s growth since
+  before the loader was made, and memfds). A plain PSS sum would count shared memory only where
+  a process maps it: torch's queued batches sit in ``/dev/shm`` unmapped, while shmloader's arena
+  is mapped in every process, so the sum read 1.19x torch for a 1.01x footprint (review 66). It
+  assumes no other job grows ``/dev/shm`` meanwhile. Sampled during a *memory pass* of its own:
+  the same loader, right after the timed loop, whole epochs for at least 0.5 s, untimed. A
+  sample costs milliseconds of kernel CPU (the kernel walks the page tables: about 10 ms for a
+  main process and two workers here), so sampling during the timed loop took 10-15 % off a
+  multi-process loader's rate on 2 cores (tabular, 2 workers, 3 alternated pairs: 3,725-3,889
+  against 4,409-4,519 batches/s) and 2-4 % off ``torch-0``'s, whose single process leaves the
+  sampler a core of its own. ``--pss-interval 0`` skips the memory pass (the peak footprint
+  cells are then empty).
 - Single-copy limit = ``torch.stack(samples, out=preallocated)`` of one batch in the main process
   on one thread (a zero-padded copy for ragged samples), median of several; ``% limit`` = loader
   rate / limit rate. The N-process limit (N = ``--workers``) is the aggregate rate of N forked
@@ -107,7 +113,7 @@ from ._loaders import (
     resolve_columns,
 )
 from ._measure import (
-    PssSampler,
+    FootprintSampler,
     bare_fetch_collate_us,
     children,
     close,
@@ -124,6 +130,7 @@ from ._measure import (
     touch,
     workers_cpu_seconds,
 )
+from ._procmem import read_shm
 from ._report import (
     LoaderResult,
     Progress,
@@ -137,6 +144,7 @@ from ._synthetic import WORKLOADS, Workload, WorkloadUnavailable, make_workload
 SHM_DIR = "/dev/shm"
 
 
+MIB = 1024 * 1024
 MIN_TIMED_S = 2.0  # a timed run spans whole epochs until at least this long
 PSS_PASS_S = 0.5  # the memory pass after it, whole epochs until at least this long
 
@@ -146,6 +154,7 @@ def run_once(
 ) -> RunSample:
     """Build a loader, run the warm-up and the timed epoch, tear it down (module docstring)."""
     before = {p.pid for p in children()}
+    shm_baseline = read_shm().used_bytes  # the footprint counts /dev/shm's growth from here
     extra: dict[str, Any] = {"pin_memory": True} if workload.pin_memory else {}
     if args.prefetch_factor is not None and column.num_workers:
         extra["prefetch_factor"] = args.prefetch_factor  # else: unchanged call, torch's default
@@ -185,14 +194,15 @@ def run_once(
         cpu = time.process_time() - cpu0
         worker_cpu = workers_cpu_seconds(before) - wcpu0
         progress.repeat_done(batches, seconds)
-        # Peak PSS from a pass of its own, after the timed one: a sample costs milliseconds of
-        # kernel CPU, which the timed loop's workers would lose (module docstring).
-        peak_kb = 0
+        # Peak footprint from a pass of its own, after the timed one: a sample costs
+        # milliseconds of kernel CPU, which the timed loop's workers would lose (module
+        # docstring).
+        peak_bytes = 0
         if args.pss_interval > 0:
             progress.start(f"{label} (memory)")
-            with PssSampler(args.pss_interval) as pss:
+            with FootprintSampler(args.pss_interval, shm_baseline) as memory:
                 _drain_for(source, progress, consume, args.max_batches, PSS_PASS_S)
-            peak_kb = pss.peak_kb
+            peak_bytes = memory.peak_bytes
     except BaseException as exc:
         # The traceback's frames hold the loader and its iterator; free them so teardown can run.
         traceback.clear_frames(exc.__traceback__)
@@ -203,7 +213,7 @@ def run_once(
         gc.collect()
         reap(before, label, progress)
     return RunSample(
-        batches, seconds, cpu, peak_kb / 1024, warm_bytes / max(warm_batches, 1), worker_cpu
+        batches, seconds, cpu, peak_bytes / MIB, warm_bytes / max(warm_batches, 1), worker_cpu
     )
 
 
@@ -321,7 +331,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="time each run over whole epochs until this many seconds have passed "
                    "(default 2; 0 with --quick)")
     p.add_argument("--pss-interval", type=float, default=0.05, metavar="SECONDS",
-                   help="PSS sampling period; 0 disables PSS sampling (default 0.05)")
+                   help="memory (footprint) sampling period; 0 skips the memory pass "
+                   "(default 0.05)")
     p.add_argument("--prefetch-factor", type=positive_int, default=None,
                    help="prefetch_factor of every loader with workers (default: torch's, 2)")
     p.add_argument("--fresh-workers", action="store_true",

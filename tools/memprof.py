@@ -70,6 +70,9 @@ LOADERS = ("torch", "shmloader")
 # so the profiler itself never imports torch).
 STATS_FD_ENV = "SHMLOADER_STATS_FD"
 STATS_INTERVAL_ENV = "SHMLOADER_STATS_INTERVAL"
+# --live: a loader whose latest row is older than this (intervals, plus seconds) is gone
+LIVE_STALE_INTERVALS = 4
+LIVE_STALE_S = 0.5
 STOP_S = 10.0  # after an interrupt: how long the job gets to exit before SIGTERM, then SIGKILL
 
 
@@ -110,7 +113,10 @@ class _Reports:
             *lines, self.buf = self.buf.split(b"\n")
             for line in lines:
                 self.rec.add_report(json.loads(line))
-            self.latest_arena = self.rec.arena[-1] if self.rec.arena else None
+            # Every loader's latest row, summed (several loaders, or ranks): a loader that is
+            # gone stops writing, and drops out once a few intervals have passed without a row.
+            self.latest_arena = self.rec.live_arena(LIVE_STALE_INTERVALS * self.rec.interval_s
+                                                    + LIVE_STALE_S)
 
 
 def _stop(proc: subprocess.Popen[bytes], terminated: bool) -> None:

@@ -76,13 +76,13 @@ def test_the_table_gives_each_limit_its_row_and_each_loader_its_percentages():
             batches=200,
             seconds=1.0,
             cpu_seconds=0.02,
-            peak_pss_mb=300,
+            peak_footprint_mb=300,
             bytes_per_batch=10**9,
             worker_cpu_seconds=0.5,
         )
     )
     torch0 = LoaderResult("torch-0", 0)
-    torch0.add(RunSample(batches=120, seconds=1.0, cpu_seconds=0.9, peak_pss_mb=200,
+    torch0.add(RunSample(batches=120, seconds=1.0, cpu_seconds=0.9, peak_footprint_mb=200,
                          bytes_per_batch=10**9))
     wr.loaders = [shm, torch0]
     table = _cells(format_table([wr]))

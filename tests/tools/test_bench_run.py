@@ -1,10 +1,12 @@
-"""tools.bench's run: the timed loop runs without the PSS sampler, whose kernel CPU would slow a
-multi-process loader's workers; peak PSS comes from an untimed memory pass after it."""
+"""tools.bench's run: the timed loop runs without the memory sampler, whose kernel CPU would slow
+a multi-process loader's workers; the peak footprint comes from an untimed memory pass after it,
+and counts shared memory no process maps."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 from types import TracebackType
 from typing import Any
 
@@ -12,17 +14,19 @@ import pytest
 
 from tools import bench
 from tools._loaders import resolve_columns
+from tools._measure import FootprintSampler
+from tools._procmem import read_shm
 from tools._report import Progress
 from tools._synthetic import make_workload
 
 
 class _Sampler:
-    """Stands in for ``PssSampler``: says whether it is sampling, and reports a known peak."""
+    """Stands in for ``FootprintSampler``: says whether it is sampling, and reports a known peak."""
 
     active = False
 
-    def __init__(self, interval_s: float) -> None:
-        self.peak_kb = 0
+    def __init__(self, interval_s: float, shm_baseline: int) -> None:
+        self.peak_bytes = 0
 
     def __enter__(self) -> _Sampler:
         _Sampler.active = True
@@ -32,11 +36,11 @@ class _Sampler:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         _Sampler.active = False
-        self.peak_kb = 3 * 1024
+        self.peak_bytes = 3 << 20
 
 
 @pytest.mark.parametrize("interval", [0.05, 0.0])
-def test_the_timed_loop_runs_without_the_sampler_and_peak_pss_comes_from_its_own_pass(
+def test_the_timed_loop_runs_without_the_sampler_and_the_peak_comes_from_its_own_pass(
     monkeypatch: pytest.MonkeyPatch, interval: float
 ) -> None:
     seen: list[bool] = []  # per batch consumed: was the sampler on
@@ -44,7 +48,7 @@ def test_the_timed_loop_runs_without_the_sampler_and_peak_pss_comes_from_its_own
     def touch(batch: Any) -> None:
         seen.append(_Sampler.active)
 
-    monkeypatch.setattr(bench, "PssSampler", _Sampler)
+    monkeypatch.setattr(bench, "FootprintSampler", _Sampler)
     monkeypatch.setattr(bench, "touch", touch)
     workload = make_workload("null", seed=0, quick=True, batch_size=2000)
     epoch = -(-workload.samples // workload.batch_size)
@@ -63,10 +67,10 @@ def test_the_timed_loop_runs_without_the_sampler_and_peak_pss_comes_from_its_own
         memory = rest[run.batches :]
         assert memory and all(memory)  # whole epochs, every batch sampled
         assert len(memory) % epoch == 0
-        assert run.peak_pss_mb == 3.0
+        assert run.peak_footprint_mb == 3.0
     else:
         assert len(rest) == run.batches  # no memory pass at all
-        assert run.peak_pss_mb == 0.0
+        assert run.peak_footprint_mb == 0.0
 
 
 @pytest.mark.parametrize("loader", ["torch", "shmloader"])
@@ -124,3 +128,22 @@ def test_a_runs_loader_is_gone_before_its_workers_are_reaped(
     run = bench.run_once(column, workload, args, f"null | {loader}", progress)
     assert run.batches > 0
     assert "still running" not in out.getvalue()
+
+
+def test_the_footprint_counts_shared_memory_that_no_process_maps() -> None:
+    """Review 66: the bench summed PSS, which counts a shared page only where a process maps
+    it: torch's queued batches, unmapped files in /dev/shm, were left out of torch's column while
+    shmloader's mapped arena counted whole."""
+    size = 8 << 20
+    baseline = read_shm().used_bytes
+    path = f"/dev/shm/shmloader-test-footprint-{os.getpid()}"
+    with open(path, "wb") as f:  # a queued batch: written, closed, mapped by nobody
+        f.write(b"\1" * size)
+    try:
+        with FootprintSampler(3600.0, baseline) as queued:
+            pass  # (the first sample is taken on entry)
+    finally:
+        os.unlink(path)
+    with FootprintSampler(3600.0, baseline) as gone:
+        pass
+    assert queued.peak_bytes - gone.peak_bytes >= size - (1 << 20)

@@ -16,7 +16,7 @@ import pytest
 import shmloader
 from tools import _plot, memprof
 from tools._memlive import LiveView, frame
-from tools._memrecord import Recording
+from tools._memrecord import MIB, Recording, format_summary
 from tools._procmem import ProcessTree, ProcSample, ShmUsage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -339,3 +339,55 @@ def test_plot_renders_a_timeline_from_the_csv_files(tmp_path):
     rec.write(tmp_path)
     path = _plot.render_timeline(tmp_path)
     assert path is not None and path.stat().st_size > 1000
+
+
+def _arena_row(t: float, pid: int, loader: int, reserved: int, **more: object) -> dict:
+    return {"kind": "arena", "t": t, "pid": pid, "loader": loader, "backend": "posix",
+            "bytes_reserved": reserved, "bytes_in_use": reserved // 2, "slots_total": 5,
+            "slot_sizes": str(reserved // 5), "batches_held": 1, "bytes_kept": 0,
+            "growth_events": 1, **more}
+
+
+def _with_arena_rows(rows: list[dict]) -> Recording:
+    rec = _recording([([_sample(0.0, 10, "main", 10)], 0)])
+    for row in rows:
+        rec.add_report({**row, "t": rec.t0 + row["t"]})
+    return rec
+
+
+def test_the_arena_peak_is_every_loader_s_together_not_the_largest_row():
+    # Review 66: two loaders of one process (80 and 20 reserved), then two ranks (40 each):
+    # the summary took the largest single row (80, then 40) for the job's arena.
+    rec = _with_arena_rows([
+        _arena_row(0.1, 10, 1, 80), _arena_row(0.15, 10, 2, 20),
+        _arena_row(0.2, 10, 1, 80), _arena_row(0.25, 10, 2, 20),
+    ])  # fmt: skip
+    arena = rec.summary()["arena"]
+    assert arena["peak_bytes_reserved"] == 100 and arena["loaders"] == 2
+    assert sorted(p["peak_bytes_reserved"] for p in arena["per_loader"]) == [20, 80]
+    assert arena["growth_events"] == 2 and arena["loader_processes"] == 1
+    ranks = _with_arena_rows([_arena_row(0.1 + i / 100, 20 + i % 2, 1, 40) for i in range(6)])
+    arena = ranks.summary()["arena"]
+    assert arena["peak_bytes_reserved"] == 80 and arena["loader_processes"] == 2
+    assert "2 loaders in 2 processes" in format_summary(ranks.summary())
+
+
+def test_a_loader_that_is_gone_is_not_counted_past_its_last_row():
+    # A training loader (60) finishes, then a validation loader (50) runs: never 110 at once.
+    rec = _with_arena_rows([
+        _arena_row(0.1, 10, 1, 60), _arena_row(0.2, 10, 1, 60),
+        _arena_row(0.3, 10, 2, 50), _arena_row(0.4, 10, 2, 50),
+    ])  # fmt: skip
+    arena = rec.summary()["arena"]
+    assert arena["peak_bytes_reserved"] == 60 and arena["loaders_live_at_most"] == 1
+    assert rec.live_arena(stale_s=0.15)["bytes_reserved"] == 50  # the live view: the one left
+
+
+def test_kept_bytes_are_reported_inside_the_arena_not_beside_it():
+    # Review 66: kept slots are lent slots, inside bytes_reserved; the summary listed them
+    # "beside the arena", where they read as memory on top of it.
+    rec = _with_arena_rows([_arena_row(0.1, 10, 1, 40 * MIB, bytes_kept=4 * MIB)])
+    text = format_summary(rec.summary())
+    beside = next(line for line in text.splitlines() if "beside the arena" in line)
+    assert "kept" not in beside
+    assert "4.0 MiB of it kept for forked workers" in text

@@ -85,6 +85,19 @@ def test_rows_keep_coming_with_the_latest_state_when_no_batch_is_yielded(pipe):
     gc.collect()
 
 
+def test_rows_of_two_loaders_of_one_process_say_which_loader_wrote_them(pipe):
+    # Review 66: rows carried only the pid, so memprof could not tell two loaders (train and
+    # validation) apart and took one loader's row for the job's arena.
+    r, w = pipe
+    first, second, rows = StatsExport(w, 3600.0), StatsExport(w, 3600.0), Rows(r)
+    first.tick(FakeHost().snapshot)
+    second.tick(FakeHost().snapshot)
+    a, b = rows.next(), rows.next()
+    assert a["pid"] == b["pid"] == os.getpid() and a["loader"] != b["loader"]
+    del first, second
+    gc.collect()
+
+
 @pytest.mark.parametrize("interval", [0.01, 3600.0])
 def test_the_thread_ends_when_its_loader_is_gone_and_keeps_nothing_alive(pipe, interval):
     _, w = pipe
@@ -184,3 +197,37 @@ def test_a_reader_that_falls_behind_costs_rows_not_a_stalled_loop(pipe, monkeypa
             export.write({"kind": "arena", "pad": "x" * 40})
     assert export.dropped > 0
     assert Rows(r).next()["kind"] == "arena"  # what fitted is whole lines
+
+
+TWO_LOADERS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch.utils.data import TensorDataset
+    import shmloader
+
+    if __name__ == "__main__":
+        big = shmloader.DataLoader(TensorDataset(torch.zeros(16, 1 << 20, dtype=torch.uint8)),
+                                   batch_size=4, num_workers=2)
+        small = shmloader.DataLoader(TensorDataset(torch.zeros(16, 1 << 16, dtype=torch.uint8)),
+                                     batch_size=4, num_workers=2)
+        held = list(big) + list(small)  # both arenas stay whole until the process exits
+        print(big.stats().bytes_reserved + small.stats().bytes_reserved, file=sys.stderr)
+    """
+)
+
+
+def test_memprof_s_arena_peak_is_both_loaders_of_a_script_together(tmp_path):
+    script = tmp_path / "two.py"
+    script.write_text(TWO_LOADERS)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.memprof", "--interval", "5", "--no-plot", "--out",
+         str(out), "--", sys.executable, str(script)],
+        cwd=REPO, capture_output=True, text=True, timeout=RUN_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    both = int(done.stderr.strip().splitlines()[-1])
+    arena = json.loads((out / "summary.json").read_text())["arena"]
+    assert arena["loaders"] == 2 and arena["peak_bytes_reserved"] == both
+    assert "2 loaders in 1 process," in done.stdout
