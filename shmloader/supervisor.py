@@ -46,10 +46,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from arena import userwarn
 from arena.finalizers import on_death
 from shmloader import afterfork
 from shmloader import protocol as P
 from shmloader.frames import READ_BYTES, cut_frames, framed
+from shmloader.notes import add_note
 from shmloader.worker import WorkerConfig, worker_main
 
 # Every worker process object this process started. A plain os.fork() of the main process copies
@@ -168,7 +170,8 @@ class Supervisor:
             try:
                 proc.start()
             except (pickle.PicklingError, TypeError, AttributeError) as e:
-                raise _start_error(e, cfg) from e
+                _explain_start_error(e, cfg)
+                raise
             finally:
                 # Recorded once forked, even if start() was then interrupted (a signal
                 # handler's exception: review 27), and before the mask is restored (a Ctrl-C
@@ -411,13 +414,19 @@ class Supervisor:
         for c in self.conns:
             c.close()
         _close_pidfds(self._pidfds)
-        if self._own_children:
-            for p in self.procs:
-                _forget_if_reaped_elsewhere(p)
+        _forget_gone(self.procs, self._own_children)
         # The process objects stay open: the iterator exposes them as torch's ``_workers``
         # (pid, exitcode, is_alive(), join()); their sentinels close when they are collected.
 
 
+# torch's warning when a worker's Process.start() fails to pickle its arguments (dataloader.py)
+PICKLE_ERROR_WARNING = (
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork')."
+)
 _CLOSED = (
     "this DataLoader iterator's workers were shut down and their pipes closed; iterate the "
     "DataLoader again to start fresh workers"
@@ -435,6 +444,7 @@ def _end_unstopped(
     if os.getpid() == pid:  # inherited through fork(): they are the parent's
         _kill_and_reap(procs, pidfds, own, gone)
         keep.lift()  # (after a teardown that lifted already: a no-op)
+        _forget_gone(procs, own)
     _close_pidfds(pidfds)  # (a forked child closes its copies)
 
 
@@ -456,13 +466,17 @@ def _close_pidfds(pidfds: list[int | None]) -> None:
                 os.close(fd)
 
 
-def _forget_if_reaped_elsewhere(p: Any) -> None:
-    """With SIGCHLD ignored (or a handler's ``wait()``), a worker's exit code never reaches
-    multiprocessing, which then keeps its process object in its list of children for good,
-    and with it two descriptors (review 46: 4 a 2-worker epoch). Once it is gone, drop it from
-    that list: the descriptors close with the object."""
-    if p.exitcode is None and _reaped_elsewhere(p.pid):
-        multiprocessing.process._children.discard(p)  # type: ignore[attr-defined]
+def _forget_gone(procs: list[Any], own: bool) -> None:
+    """Drop the workers that are gone from multiprocessing's list of children, as
+    ``Process.join()`` does once it has an exit code (torch's shutdown joins every worker). The
+    workers are waited for on their pidfds, not joined, and the list kept each process object,
+    and with it its ``Popen``'s two pipe descriptors, until the next ``Process.start()`` or
+    ``active_children()``: 4 descriptors of a 2-worker iterator outlived the loader (review 67).
+    A worker reaped elsewhere (SIGCHLD ignored, or a handler's ``wait()``) never gets an exit
+    code, and would stay in the list for good (review 46); it is gone all the same."""
+    for p in procs:
+        if p.exitcode is not None or (own and _reaped_elsewhere(p.pid)):
+            multiprocessing.process._children.discard(p)  # type: ignore[attr-defined]
 
 
 def _kill_and_reap(procs: list[Any], pidfds: list[int | None], own: bool, gone: set[int]) -> None:
@@ -548,10 +562,16 @@ def _reaped_elsewhere(pid: int) -> bool:
     return False
 
 
-def _start_error(e: Exception, cfg: WorkerConfig) -> Exception:
-    return type(e)(
-        f"{e}. shmloader could not send the worker's arguments (dataset "
-        f"{type(cfg.dataset).__name__}, collate_fn, worker_init_fn) to a new process: under the "
-        "'spawn' and 'forkserver' start methods they must be picklable. Define them at module "
-        "top level (no lambdas or local functions), or pass multiprocessing_context='fork'."
+def _explain_start_error(e: Exception, cfg: WorkerConfig) -> None:
+    """A worker's arguments could not be pickled (``spawn``, ``forkserver``): torch's warning,
+    then its error as it is (type, words and attributes; review 67: rebuilt as ``type(e)(...)``
+    it lost them, and a subclass with another constructor raised a TypeError about that), with
+    what shmloader can add as a note."""
+    userwarn.warn(PICKLE_ERROR_WARNING, UserWarning)
+    add_note(
+        e,
+        f"shmloader could not send the worker's arguments (dataset {type(cfg.dataset).__name__}, "
+        "collate_fn, worker_init_fn) to a new process: under the 'spawn' and 'forkserver' start "
+        "methods they must be picklable. Define them at module top level (no lambdas or local "
+        "functions), or pass multiprocessing_context='fork'.",
     )

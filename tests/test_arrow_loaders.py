@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 import numpy as np
@@ -106,8 +107,39 @@ def _one_batch(ds, workers):
 def test_a_ragged_column_is_refused_naming_it_and_the_fix_with_or_without_workers(every_path,
                                                                                    workers):
     ds = ArrowDataset(every_path, columns=["i8", "tokens"])
-    with pytest.raises(RuntimeError, match=r"'tokens' holds variable-length.*collate_ragged"):
+    with pytest.raises(RuntimeError) as raised:
         _one_batch(ds, workers)
+    told = "".join(traceback.format_exception(raised.value))
+    assert re.search(r"'tokens' holds variable-length.*collate_ragged", told)
+
+
+_TORCH_STACK_ERROR = re.compile(
+    r"stack expects each tensor to be equal size[^\n]*|Trying to resize storage that is not "
+    r"resizable"
+)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+@pytest.mark.parametrize("first", ["shortest", "longest"])
+def test_a_ragged_column_raises_torchs_words_with_the_fix_in_a_note(tmp_path, workers, first):
+    # Review 67: shmloader's own message replaced torch's ("stack expects each tensor to be
+    # equal size, ..." or, in a worker whose first row is the longest, "Trying to resize
+    # storage ..."); what shmloader knows (the column, the fix) is a note now.
+    lengths = [i % 3 for i in range(16)]
+    if first == "longest":
+        lengths = lengths[::-1]
+    table = pa.table({"t": pa.array([list(range(n)) for n in lengths], pa.list_(pa.int64()))})
+    ds = ArrowDataset(write_file(table, tmp_path / "r.arrow"))
+    more = {"num_workers": 2, "multiprocessing_context": "fork"} if workers else {}
+    with pytest.raises(RuntimeError) as ours:
+        next(iter(shmloader.DataLoader(ds, batch_size=16, **more)))
+    with pytest.raises(RuntimeError) as theirs:
+        next(iter(torch.utils.data.DataLoader(ds, batch_size=16, **more)))
+    words = _TORCH_STACK_ERROR.search(str(theirs.value))
+    assert words is not None, str(theirs.value)
+    assert _TORCH_STACK_ERROR.search(str(ours.value)).group(0) == words.group(0)
+    told = "".join(traceback.format_exception(ours.value))
+    assert re.search(r"column 't' holds variable-length.*collate_ragged", told)
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])

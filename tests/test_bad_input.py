@@ -148,31 +148,69 @@ def _spawned(loader_cls: type, collate_fn: Any = None, dataset: Any = None) -> E
     return raised(lambda: next(iter(loader)))
 
 
-@pytest.mark.filterwarnings("ignore:Got pickle error when attempting to start a worker")
-def test_a_lambda_collate_fn_under_spawn_names_it_and_suggests_fork_or_a_top_level_def():
+def _told(error: BaseException) -> str:
+    """The error as a traceback prints it: its message, then its notes."""
+    return "".join(traceback.format_exception(error))
+
+
+_PICKLE_WARNING = "Got pickle error when attempting to start a worker"
+
+
+# Review 67: shmloader rebuilt these errors as type(e)(torch's words + advice), which changed
+# their text, dropped their attributes and, for a subclass with another constructor, raised a
+# TypeError about that constructor; and torch's warning was missing. Now: torch's warning, and
+# torch's error as it is, with the advice as a note (tracebacks print it after the message).
+def test_a_lambda_collate_fn_under_spawn_is_torchs_error_with_torchs_warning_and_a_note():
     collate = lambda batch: batch  # noqa: E731 - the mistake under test
-    theirs = _spawned(torch.utils.data.DataLoader, collate_fn=collate)
-    ours = _spawned(shmloader.DataLoader, collate_fn=collate)
-    assert type(ours) is type(theirs)
-    assert str(ours).startswith(str(theirs))  # torch's words, then the advice
+    with pytest.warns(UserWarning, match=_PICKLE_WARNING):
+        theirs = _spawned(torch.utils.data.DataLoader, collate_fn=collate)
+    with pytest.warns(UserWarning, match=_PICKLE_WARNING):
+        ours = _spawned(shmloader.DataLoader, collate_fn=collate)
+    assert type(ours) is type(theirs) and str(ours) == str(theirs)
     assert "<lambda>" in str(ours)
-    assert "multiprocessing_context='fork'" in str(ours) and "top level" in str(ours)
+    told = _told(ours)
+    assert "multiprocessing_context='fork'" in told and "top level" in told
 
 
+@pytest.mark.filterwarnings(f"ignore:{_PICKLE_WARNING}")
 def test_a_local_function_collate_fn_under_spawn_names_it():
     def local_collate(batch: Any) -> Any:
         return batch
 
     error = _spawned(shmloader.DataLoader, collate_fn=local_collate)
     assert isinstance(error, AttributeError | pickle.PicklingError), repr(error)
-    assert "local_collate" in str(error) and "top level" in str(error)
+    assert "local_collate" in str(error) and "top level" in _told(error)
 
 
+@pytest.mark.filterwarnings(f"ignore:{_PICKLE_WARNING}")
 def test_an_unpicklable_dataset_under_spawn_names_the_dataset_class():
     error = _spawned(shmloader.DataLoader, dataset=HoldsALock())
     assert isinstance(error, TypeError), repr(error)
     assert "cannot pickle '_thread.lock' object" in str(error)
-    assert "HoldsALock" in str(error) and "multiprocessing_context='fork'" in str(error)
+    told = _told(error)
+    assert "HoldsALock" in told and "multiprocessing_context='fork'" in told
+
+
+class _CodedError(TypeError):
+    """A pickling error whose constructor takes two arguments (review 67)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code {code}: {detail}")
+        self.code = code
+
+
+class _RefusesToPickle(Ramp):
+    def __reduce__(self) -> Any:
+        raise _CodedError(7, "cannot ship me")
+
+
+@pytest.mark.filterwarnings(f"ignore:{_PICKLE_WARNING}")
+def test_a_pickling_error_with_its_own_constructor_reaches_the_user_as_it_was_raised():
+    theirs = _spawned(torch.utils.data.DataLoader, dataset=_RefusesToPickle(8))
+    ours = _spawned(shmloader.DataLoader, dataset=_RefusesToPickle(8))
+    assert type(ours) is type(theirs) is _CodedError
+    assert str(ours) == str(theirs) == "code 7: cannot ship me" and ours.code == 7
+    assert "_RefusesToPickle" in _told(ours)
 
 
 # ------------------------------------------------------------------------ constructor checks

@@ -22,6 +22,7 @@ import gc
 import itertools
 import json
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import random
 import re
@@ -342,6 +343,45 @@ def test_workers_reaped_by_someone_else_leave_no_process_object_or_descriptor_be
         signal.signal(signal.SIGCHLD, before)
     left = set(multiprocessing.process._children) - children  # type: ignore[attr-defined]
     assert not left, f"process objects of ended workers kept: {[p.pid for p in left]} ({pids})"
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def _init_raises(worker_id: int) -> None:
+    raise ValueError(f"worker_init_fn of worker {worker_id} fails")
+
+
+@pytest.mark.parametrize(
+    ("end", "context"),
+    [("epoch", "fork"), ("break", "fork"), ("persistent", "fork"), ("init-raises", "fork"),
+     ("epoch", "spawn")],
+)  # fmt: skip
+def test_ended_workers_leave_no_process_object_or_descriptor_behind(end, context):
+    # Review 67: the workers were waited for on pidfds, never joined, so multiprocessing's list
+    # of children kept each process object, and its two pipe descriptors, after the loader was
+    # gone (until the next Process.start()): 4 descriptors for 2 workers, whatever the end.
+    if context == "spawn":  # its first use starts multiprocessing's resource tracker, for good
+        multiprocessing.resource_tracker.ensure_running()  # type: ignore[attr-defined]
+    fds = len(os.listdir("/proc/self/fd"))
+    children = set(multiprocessing.process._children)  # type: ignore[attr-defined]
+    loader = shmloader.DataLoader(
+        Ramp(8), batch_size=2, num_workers=2, multiprocessing_context=context,
+        persistent_workers=end == "persistent",
+        worker_init_fn=_init_raises if end == "init-raises" else None,
+    )  # fmt: skip
+    if end == "init-raises":
+        with pytest.raises(ValueError, match="worker_init_fn of worker"):
+            list(loader)
+    elif end == "break":
+        it = iter(loader)
+        assert int(next(it)[0, 0]) == 0
+        del it
+    else:
+        for _ in range(2):
+            assert [int(b[0, 0]) for b in loader] == [0, 2, 4, 6]
+    del loader
+    gc.collect()
+    left = set(multiprocessing.process._children) - children  # type: ignore[attr-defined]
+    assert not left, f"process objects of ended workers kept: {[p.pid for p in left]}"
     assert len(os.listdir("/proc/self/fd")) == fds
 
 

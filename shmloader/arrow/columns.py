@@ -38,9 +38,24 @@ import numpy as np
 import torch
 
 from shmloader.arrow.shard import CARRIERS, Shard
-from shmloader.collate import Alloc
+from shmloader.collate import Alloc, current_session
+from shmloader.notes import add_note
 
 Ragged = Literal["stack", "list", "pad", "rows"]  # "rows": the items of ds[i] (no checks)
+def _unequal_rows(lengths: np.ndarray) -> str:
+    """What torch raises collating rows of these lengths as 1-D tensors: in a worker, its
+    collate first sizes a shared output by the rows' total length and reshapes it to ``rows x
+    first length``, which fails when the total is short (``shmloader.collate`` keeps the same
+    rule); then, as without workers, ``torch.stack`` names the first row of another length."""
+    if current_session() is not None and int(lengths.sum()) < len(lengths) * int(lengths[0]):
+        return "Trying to resize storage that is not resizable"
+    other = int(np.flatnonzero(lengths != lengths[0])[0])
+    return (
+        f"stack expects each tensor to be equal size, but got [{int(lengths[0])}] at entry 0 "
+        f"and [{int(lengths[other])}] at entry {other}"
+    )
+
+
 NONE_IN_BATCH = (  # torch's default_collate, when a batch's first value is None
     "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
 )
@@ -202,13 +217,16 @@ class VarListPlan(Plan):
         total = int(lengths.sum())
         if ragged == "stack":
             if len(w) and (lengths != lengths[0]).any():
-                raise RuntimeError(
-                    f"column {self.name!r} holds variable-length lists (lengths "
+                error = RuntimeError(_unequal_rows(lengths))
+                add_note(
+                    error,
+                    f"shmloader.arrow: column {self.name!r} holds variable-length lists (lengths "
                     f"{lengths.min()}..{lengths.max()} in this batch), which default_collate "
                     f"cannot stack; pass collate_fn=shmloader.arrow.collate_ragged (a list of 1-D "
                     f"tensors) or collate_fn=shmloader.arrow.collate_padded (padded tensor and "
-                    f"lengths)"
+                    f"lengths)",
                 )
+                raise error
             width = int(lengths[0]) if len(w) else 0
             out = alloc((len(w), width), self.dtype)
             self._fill(out.view(-1), w, g, start, lengths, total)
@@ -279,7 +297,8 @@ class BytesPlan(Plan):
             if values[0] is None and ragged != "rows":
                 # torch's words, and a note with what torch cannot say: where the None came from
                 error = TypeError(NONE_IN_BATCH.format(type(None)))
-                error.add_note(
+                add_note(
+                    error,
                     f"shmloader.arrow: the first row of this batch holds a null in column "
                     f"{self.name!r}; default_collate cannot batch None: fill the nulls before "
                     f"packing (pyarrow.compute.fill_null) or pass a collate_fn that takes None"
