@@ -170,9 +170,11 @@ HOLDER = textwrap.dedent(
 )
 
 
-def test_memprof_sees_the_peak_of_a_script_that_keeps_its_batches(tmp_path):
-    script = tmp_path / "keep.py"
-    script.write_text(HOLDER)
+def _memprof_script(tmp_path: Path, text: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """memprof over a script (its rows come from the export thread and its exit): the run and
+    its summary."""
+    script = tmp_path / "job.py"
+    script.write_text(text)
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "tools.memprof", "--interval", "5", "--no-plot", "--out",
@@ -180,7 +182,11 @@ def test_memprof_sees_the_peak_of_a_script_that_keeps_its_batches(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=RUN_S, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    return done, json.loads((out / "summary.json").read_text())
+
+
+def test_memprof_sees_the_peak_of_a_script_that_keeps_its_batches(tmp_path):
+    _, summary = _memprof_script(tmp_path, HOLDER)
     assert summary["arena"]["peak_batches_held"] == 24
 
 
@@ -218,16 +224,8 @@ TWO_LOADERS = textwrap.dedent(
 
 
 def test_memprof_s_arena_peak_is_both_loaders_of_a_script_together(tmp_path):
-    script = tmp_path / "two.py"
-    script.write_text(TWO_LOADERS)
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.memprof", "--interval", "5", "--no-plot", "--out",
-         str(out), "--", sys.executable, str(script)],
-        cwd=REPO, capture_output=True, text=True, timeout=RUN_S, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done, summary = _memprof_script(tmp_path, TWO_LOADERS)
     both = int(done.stderr.strip().splitlines()[-1])
-    arena = json.loads((out / "summary.json").read_text())["arena"]
+    arena = summary["arena"]
     assert arena["loaders"] == 2 and arena["peak_bytes_reserved"] == both
     assert "2 loaders in 1 process," in done.stdout
