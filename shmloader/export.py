@@ -16,9 +16,13 @@ within one interval either way, and the per-batch cost while the interval has no
 clock read and a comparison. An ``atexit`` hook writes the state the process ends in, which can
 be less than an interval after the last row.
 
-``loader`` numbers the exports (one per loader arena) of the process that made them, so rows of
-several loaders, or of several processes (ranks), are told apart by ``(pid, loader)``: a profiler
-sums them (``tools._memrecord``), never takes one loader's row for the job's.
+``loader`` numbers the loaders of the process that made them, so rows of several loaders, or of
+several processes (ranks), are told apart by ``(pid, loader)``: a profiler sums them
+(``tools._memrecord``), never takes one loader's row for the job's. A loader whose arena is
+replaced (retired after an interruption, or ``pin_memory`` changed) keeps its number: the new
+arena's export takes it over and the old one writes no more (:meth:`StatsExport.hand_over`), as
+the new rows count what the old arena still holds (``bytes_retired``); rows of both would count
+it twice.
 
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
 processes (ranks, several loaders) and threads never interleave; when unset, the per-batch cost is
@@ -64,7 +68,7 @@ class StatsExport:
     def __init__(self, fd: int, interval: float) -> None:
         self.fd = fd
         self.interval = interval
-        self.loader = next(_serials)  # with the pid, names this loader's rows (module docstring)
+        self.loader = next(_serials)  # with the pid, names the loader's rows (module docstring)
         self._next = 0.0
         self._claim = threading.Lock()  # one row per interval between the yields and the thread
         self._source: Callable[[], Snapshot | None] | None = None  # the loader's, held weakly
@@ -134,6 +138,13 @@ class StatsExport:
                 # is still open when the final row is read.
                 atexit.register(_final_rows)
                 _exit_hooked = True
+
+    def hand_over(self, successor: StatsExport) -> None:
+        """The loader's arena was replaced: ``successor`` (the new arena's export) writes its
+        rows under this one's number from now on, and this one writes none (its thread ends at
+        its next wake-up; no final row at exit)."""
+        successor.loader = self.loader
+        self._next = float("inf")
 
     def final(self) -> None:
         """Write the current state now, throttle or not (at exit), if this process exports it."""

@@ -115,6 +115,9 @@ class ArenaHost:
         # the batches the user still holds from it (Leases.counter) and a weak reference to it:
         # every snapshot -- stats(), and the export's rows -- counts what they still hold.
         self.predecessors: list[Retired] = list(predecessors)
+        replaced = self.predecessors[-1][1]() if self.predecessors else None
+        if replaced is not None and replaced.export is not None and self.export is not None:
+            replaced.export.hand_over(self.export)  # one loader, one row stream (review 68)
         self._closer = on_death(self, _close, self.pid, self.pinner, self.arena, leases)
 
     @property

@@ -118,6 +118,9 @@ class Recording:
     ticks: int = 0
     sampler_cpu_s: float = 0.0  # memprof's own CPU time while sampling
     pending_roles: dict[int, str] = field(default_factory=dict)  # announced, not yet seen
+    # each loader's latest arena row, kept as rows arrive: live_arena() reads it on every read
+    # of the job's pipe, which a scan of every row so far made quadratic (review 68)
+    latest_arena: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
 
     def add_tick(self, rows: list[ProcSample], shm: ShmUsage, memfd_bytes: int = 0) -> None:
         """One tick: the processes' rows, ``/dev/shm``, and the bytes of shared memory outside
@@ -133,6 +136,9 @@ class Recording:
         message["t"] = round(float(message.get("t", self.t0)) - self.t0, 4)
         if kind == "arena":
             self.arena.append(message)
+            key = loader_of(message)
+            if key not in self.latest_arena or message["t"] >= self.latest_arena[key]["t"]:
+                self.latest_arena[key] = message
         elif kind == "workers":
             for i, pid in enumerate(message.get("pids", [])):
                 member = self.tree.members.get(pid)
@@ -264,15 +270,11 @@ class Recording:
     def live_arena(self, stale_s: float) -> dict[str, Any] | None:
         """The loaders' latest rows combined, of those that wrote one within ``stale_s`` of the
         newest (a loader that is gone writes no more): what ``--live`` shows."""
-        latest: dict[tuple[int, int], dict[str, Any]] = {}
-        for row in self.arena:
-            key = loader_of(row)
-            if key not in latest or row["t"] >= latest[key]["t"]:
-                latest[key] = row
+        latest = self.latest_arena.values()
         if not latest:
             return None
-        newest = max(row["t"] for row in latest.values())
-        return combine([row for row in latest.values() if row["t"] >= newest - stale_s])
+        newest = max(row["t"] for row in latest)
+        return combine([row for row in latest if row["t"] >= newest - stale_s])
 
     # -- files ----------------------------------------------------------------------------------
 

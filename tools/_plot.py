@@ -2,8 +2,8 @@
 
 Job: read a run directory's ``samples.csv``, ``shm.csv`` and ``arena.csv`` and draw
 ``timeline.png``: per-process PSS and the tree's total PSS, ``/dev/shm`` used bytes (and the
-memfd bytes the tree holds), and the arena's bytes by slot state; or, for ``--compare``, the
-total PSS of several runs on one axis.
+memfd bytes the tree holds), and the arena's bytes by slot state (every loader's together); or,
+for ``--compare``, the total PSS of several runs on one axis.
 
 Invariants: plotting reads only the files memprof wrote, so a plot can be redrawn later with
 ``python -m tools._plot DIR``; without matplotlib every function prints
@@ -17,6 +17,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from ._memrecord import arena_timeline
 
 MIB = 1024 * 1024
 SKIPPED = "plot skipped: matplotlib not installed"
@@ -50,6 +52,19 @@ def _totals(samples: list[dict[str, str]]) -> tuple[list[float], list[float]]:
     return ts, [by_t[t] / MIB for t in ts]
 
 
+def arena_layers(arena: list[dict[str, str]]) -> tuple[list[float], list[list[float]]]:
+    """The arena panel's data from ``arena.csv``'s rows: times, and MiB per slot state
+    (``STATES``), every loader's together as the summary counts them (review 68: the raw rows of
+    two loaders alternated between them, a sawtooth that never showed their sum)."""
+    timeline = arena_timeline([
+        {"t": float(r["t"]), "pid": int(r.get("pid") or 0), "loader": int(r.get("loader") or 0),
+         **{f"bytes_{s}": int(r.get(f"bytes_{s}") or 0) for s in STATES}}
+        for r in arena
+    ])  # fmt: skip
+    ts = [t for t, _, _ in timeline]
+    return ts, [[row[f"bytes_{s}"] / MIB for _, row, _ in timeline] for s in STATES]
+
+
 def render_timeline(run_dir: Path, title: str = "") -> Path | None:
     """Draw ``run_dir/timeline.png`` from the run's CSV files; returns its path."""
     plt = _pyplot()
@@ -81,9 +96,7 @@ def render_timeline(run_dir: Path, title: str = "") -> Path | None:
     ax.set_ylabel("shared memory (MiB)")
     if arena:
         ax = axes[2]
-        ts = [float(r["t"]) for r in arena]
-        layers = [[int(r.get(f"bytes_{s}") or 0) / MIB for r in arena] for s in STATES]
-        ax.stackplot(ts, *layers, labels=STATES)
+        ax.stackplot(*arena_layers(arena), labels=STATES)
         ax.set_ylabel("arena (MiB)")
         ax.legend(fontsize="small", loc="upper left")
     axes[-1].set_xlabel("seconds since the job started")

@@ -391,3 +391,15 @@ def test_kept_bytes_are_reported_inside_the_arena_not_beside_it():
     beside = next(line for line in text.splitlines() if "beside the arena" in line)
     assert "kept" not in beside
     assert "4.0 MiB of it kept for forked workers" in text
+
+
+def test_the_arena_panel_stacks_every_loader_s_bytes_together():
+    # Review 68: the plot drew arena.csv's rows as they came, loader 1, 2, 1, 2: a sawtooth
+    # between 24 and 6 MiB where both loaders together held 30.
+    rows = [{"t": str(0.1 * i), "pid": "10", "loader": str(1 + i % 2),
+             "bytes_lent": str((24 if i % 2 == 0 else 6) * MIB)} for i in range(6)]
+    ts, layers = _plot.arena_layers(rows)
+    lent = layers[_plot.STATES.index("lent")]
+    assert ts == [0.1 * i for i in range(6)]
+    # (loader 1's last row is at 0.4 s: past it, it counts as gone, as in the summary)
+    assert lent == [24.0, 30.0, 30.0, 30.0, 30.0, 6.0]
