@@ -24,6 +24,14 @@ arena's export takes it over and the old one writes no more (:meth:`StatsExport.
 the new rows count what the old arena still holds (``bytes_retired``); rows of both would count
 it twice.
 
+The descriptor is checked before each write to be the very pipe the profiler passed: memprof
+also names it by its identity (``SHMLOADER_STATS_PIPE=<st_dev>:<st_ino>``; without it, the
+descriptor must be a pipe). A process the job started without passing the descriptor on
+(``subprocess`` closes inherited descriptors) inherits the variables, but its descriptor of that
+number is another file, perhaps the user's own log; one the job closed and opened again is too;
+and one whose export failed (the reader went away) stays off for every later loader of the
+process. In each case nothing is written to it (review 69: JSON rows landed in a user's file).
+
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
 processes (ranks, several loaders) and threads never interleave; when unset, the per-batch cost is
 one attribute test; the descriptor is non-blocking, so a reader that falls behind costs rows (one
@@ -41,6 +49,7 @@ import contextlib
 import itertools
 import json
 import os
+import stat
 import threading
 import time
 import weakref
@@ -52,6 +61,7 @@ from shmloader.stats import LoaderStats
 
 ENV_FD = "SHMLOADER_STATS_FD"
 ENV_INTERVAL = "SHMLOADER_STATS_INTERVAL"
+ENV_PIPE = "SHMLOADER_STATS_PIPE"  # the pipe's identity, "<st_dev>:<st_ino>" (module docstring)
 MIN_PERIOD_S = 0.01  # the thread's shortest period, whatever the interval (0 writes every yield)
 
 Snapshot = Callable[[], LoaderStats]
@@ -59,15 +69,40 @@ _exporting: weakref.WeakSet[StatsExport] = weakref.WeakSet()  # exports with a t
 _exit_hook = threading.Lock()
 _exit_hooked = False
 _serials = itertools.count(1)  # the exports of this process, in the order made
+_failed: set[tuple[int, int]] = set()  # pipes a write failed on in this process: off for good
+_refused = False  # whether this process warned that the descriptor is not the profiler's
+
+
+def identity(fd: int) -> tuple[int, int] | None:
+    """What ``fd`` names, as ``(st_dev, st_ino)``; None if it names nothing."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _ours(fd: int) -> tuple[int, int] | None:
+    """The identity of ``fd`` if it is the profiler's pipe (module docstring), else None."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    expected = os.environ.get(ENV_PIPE)
+    if expected is None:
+        return (st.st_dev, st.st_ino) if stat.S_ISFIFO(st.st_mode) else None
+    return (st.st_dev, st.st_ino) if expected == f"{st.st_dev}:{st.st_ino}" else None
 
 
 class StatsExport:
     """Writes a loader's rows to the descriptor the environment names, throttled (module
     docstring: a thread writes them too while no batch is yielded)."""
 
-    def __init__(self, fd: int, interval: float) -> None:
+    def __init__(self, fd: int, interval: float, pipe: tuple[int, int] | None = None) -> None:
         self.fd = fd
         self.interval = interval
+        self.pipe = identity(fd) if pipe is None else pipe  # what fd names: checked per write
+        self._off = False  # handed over to a new arena's export, or failed: writes nothing
         self.loader = next(_serials)  # with the pid, names the loader's rows (module docstring)
         self._next = 0.0
         self._claim = threading.Lock()  # one row per interval between the yields and the thread
@@ -89,10 +124,14 @@ class StatsExport:
                 RuntimeWarning,
             )
             return None
-        with contextlib.suppress(OSError):  # (a bad descriptor fails at the first write)
-            # A reader that falls behind must never stall training: a full pipe drops rows.
-            os.set_blocking(fd, False)
-        return cls(fd, interval)
+        pipe = _ours(fd)
+        if pipe is None or pipe in _failed:
+            if pipe is None:
+                _refuse(fd)
+            return None
+        # A reader that falls behind must never stall training: a full pipe drops rows.
+        os.set_blocking(fd, False)
+        return cls(fd, interval, pipe)
 
     def tick(self, snapshot: Snapshot) -> None:
         """Write a row if ``interval`` has passed since the last one; the first call in a process
@@ -107,13 +146,15 @@ class StatsExport:
         without calling ``snapshot`` under it: ``stats()`` takes the loader's own locks."""
         with self._claim:
             now = time.monotonic()
-            if now < self._next:
+            if now < self._next or self._off:
                 return
             self._next = now + self.interval
         self._row(snapshot, now)
 
     def _row(self, snapshot: Snapshot, now: float) -> None:
         row = snapshot().as_row()
+        if self._off:  # handed over while the row was being taken (review 69): not a row of ours
+            return
         self.write({"kind": "arena", "t": now, "pid": os.getpid(), "loader": self.loader, **row})
 
     def _start(self, snapshot: Snapshot) -> None:
@@ -144,18 +185,25 @@ class StatsExport:
         rows under this one's number from now on, and this one writes none (its thread ends at
         its next wake-up; no final row at exit)."""
         successor.loader = self.loader
+        self._off = True
         self._next = float("inf")
 
     def final(self) -> None:
         """Write the current state now, throttle or not (at exit), if this process exports it."""
         source = self._source
         snapshot = None if source is None else source()
-        if snapshot is None or self._thread_pid != os.getpid() or self._next == float("inf"):
+        if snapshot is None or self._thread_pid != os.getpid() or self._off:
             return
         with contextlib.suppress(Exception):  # at exit, a row is not worth a traceback
             self._row(snapshot, time.monotonic())
 
     def write(self, message: dict[str, Any]) -> None:
+        if self._off:
+            return
+        if identity(self.fd) != self.pipe:
+            self._stop(f"fd {self.fd} no longer names the pipe it was given (it was closed, "
+                       "and the number may name another file now)")
+            return
         try:
             os.write(self.fd, (json.dumps(message) + "\n").encode())
         except BlockingIOError:
@@ -168,12 +216,31 @@ class StatsExport:
                 )
             self.dropped += 1
         except OSError as e:
-            self.interval = float("inf")
-            self._next = float("inf")
-            userwarn.warn(
-                f"shmloader stops exporting statistics to fd {self.fd} ({ENV_FD}): {e}",
-                RuntimeWarning,
-            )
+            if self.pipe is not None:
+                _failed.add(self.pipe)  # every later export of this process stays off too
+            self._stop(str(e))
+
+    def _stop(self, why: str) -> None:
+        self._off = True
+        self.interval = float("inf")
+        self._next = float("inf")
+        userwarn.warn(
+            f"shmloader stops exporting statistics to fd {self.fd} ({ENV_FD}): {why}",
+            RuntimeWarning,
+        )
+
+
+def _refuse(fd: int) -> None:
+    """Warn, once a process, that the descriptor the environment names is not the pipe."""
+    global _refused
+    if not _refused:
+        _refused = True
+        userwarn.warn(
+            f"{ENV_FD}={fd} does not name the profiler's pipe in this process (a process "
+            "started without the descriptor passed on, where that number is another file, or "
+            "none); shmloader exports no statistics from it",
+            RuntimeWarning,
+        )
 
 
 def _repeat(
@@ -185,7 +252,7 @@ def _repeat(
     export is off or its loader or the export is gone. Holds neither between rows."""
     while True:
         export = export_ref()
-        if export is None or export._next == float("inf"):
+        if export is None or export._off:
             return
         wait = max(export._next - time.monotonic(), MIN_PERIOD_S)
         del export

@@ -70,6 +70,7 @@ LOADERS = ("torch", "shmloader")
 # so the profiler itself never imports torch).
 STATS_FD_ENV = "SHMLOADER_STATS_FD"
 STATS_INTERVAL_ENV = "SHMLOADER_STATS_INTERVAL"
+STATS_PIPE_ENV = "SHMLOADER_STATS_PIPE"
 # --live: a loader whose latest row is older than this (intervals, plus seconds) is gone
 LIVE_STALE_INTERVALS = 4
 LIVE_STALE_S = 0.5
@@ -169,6 +170,10 @@ def profile(cmd: list[str], *, args: argparse.Namespace, label: str, out: Path,
         report = os.pipe()
         env[STATS_FD_ENV] = str(report[1])
         env[STATS_INTERVAL_ENV] = str(args.interval)
+        # ... and which pipe it is: a process the job starts without passing the descriptor on
+        # has another file under that number, which shmloader must not write to (review 69)
+        pipe = os.fstat(report[1])
+        env[STATS_PIPE_ENV] = f"{pipe.st_dev}:{pipe.st_ino}"
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log,

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from shmloader.export import ENV_FD, StatsExport
+from shmloader import export
+from shmloader.export import ENV_FD, ENV_PIPE, StatsExport
 from shmloader.stats import no_arena
 
 EMPTY = no_arena(0)
@@ -11,10 +12,105 @@ EMPTY = no_arena(0)
 
 def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch):
     monkeypatch.delenv(ENV_FD, raising=False)
+    monkeypatch.delenv(ENV_PIPE, raising=False)
     assert StatsExport.from_environment() is None
-    monkeypatch.setenv(ENV_FD, "7")
-    exp = StatsExport.from_environment()
-    assert exp is not None and exp.fd == 7 and exp.interval == 0.1
+    r, w = os.pipe()
+    try:
+        monkeypatch.setenv(ENV_FD, str(w))
+        exp = StatsExport.from_environment()
+        assert exp is not None and exp.fd == w and exp.interval == 0.1
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.fixture
+def fresh_process_state(monkeypatch):
+    """This process as if no export had failed or been refused yet."""
+    monkeypatch.setattr(export, "_failed", set())
+    monkeypatch.setattr(export, "_refused", False)
+
+
+def _rows_in(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["pipe-named", "pipe-unnamed"])
+def test_a_descriptor_that_is_not_the_profiler_s_pipe_gets_nothing(
+    monkeypatch, tmp_path, fresh_process_state, named
+):
+    # Review 69: a process the job started without passing the descriptor on inherits
+    # SHMLOADER_STATS_FD, and under that number has a file of its own (its log): the first
+    # loader wrote JSON rows into it.
+    r, w = os.pipe()
+    try:
+        pipe = os.fstat(w)
+        with open(tmp_path / "log.txt", "w") as log:
+            monkeypatch.setenv(ENV_FD, str(log.fileno()))
+            if named:
+                monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+            else:
+                monkeypatch.delenv(ENV_PIPE, raising=False)
+            with pytest.warns(RuntimeWarning, match="does not name the profiler's pipe"):
+                assert StatsExport.from_environment() is None
+            assert StatsExport.from_environment() is None  # (warned once a process)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert _rows_in(tmp_path / "log.txt") == ""
+
+
+def test_a_pipe_that_failed_stays_off_and_a_reused_number_gets_nothing(
+    monkeypatch, tmp_path, fresh_process_state
+):
+    # Review 69: after the reader went away the export turned off, but the next loader's
+    # export (an arena replaced) was made from the environment again; once the job had closed
+    # that descriptor and opened a file under its number, the rows went into the file.
+    r, w = os.pipe()
+    pipe = os.fstat(w)
+    monkeypatch.setenv(ENV_FD, str(w))
+    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    first = StatsExport.from_environment()
+    assert first is not None
+    os.close(r)
+    with pytest.warns(RuntimeWarning, match="stops exporting statistics"):
+        first.tick(lambda: EMPTY)
+    assert StatsExport.from_environment() is None  # the same pipe: off for good
+    later = StatsExport(w, interval=0, pipe=first.pipe)  # made before the number was reused
+    with open(tmp_path / "log.txt", "w") as log:
+        os.dup2(log.fileno(), w)  # the job closed the pipe; the number now names its log
+        try:
+            with pytest.warns(RuntimeWarning, match="no longer names the pipe"):
+                later.tick(lambda: EMPTY)
+            with pytest.warns(RuntimeWarning, match="does not name the profiler's pipe"):
+                assert StatsExport.from_environment() is None
+        finally:
+            os.close(w)
+    assert _rows_in(tmp_path / "log.txt") == ""
+
+
+def test_a_hand_over_inside_a_row_being_written_is_not_undone(monkeypatch):
+    # Review 69: hand_over() set _next to inf while the old export's thread was inside _due,
+    # between its check and its store, which then wrote a finite _next back: the old arena's
+    # rows went on under the loader's number, alternating with the new arena's.
+    r, w = os.pipe()
+    old, new = StatsExport(w, interval=0.01), StatsExport(w, interval=0.01)
+
+    def snapshot():
+        old.hand_over(new)  # (the iterating thread, while the old export's thread takes a row)
+        return EMPTY
+
+    try:
+        old.tick(snapshot)
+        old._next = 0.0  # (as if its interval had passed)
+        old.tick(lambda: EMPTY)
+        new.tick(lambda: EMPTY)
+        os.close(w)
+        rows = [json.loads(line) for line in os.read(r, 1 << 16).decode().splitlines()]
+    finally:
+        os.close(r)
+    assert [row["loader"] for row in rows] == [new.loader] and old.loader == new.loader
 
 
 def test_rows_are_json_lines_written_at_most_once_per_interval():
