@@ -17,28 +17,33 @@ clock read and a comparison. An ``atexit`` hook writes the state the process end
 be less than an interval after the last row.
 
 ``loader`` numbers the loaders of the process that made them, so rows of several loaders, or of
-several processes (ranks), are told apart by ``(pid, loader)``: a profiler sums them
+several processes that hold the pipe, are told apart by ``(pid, loader)``: a profiler sums them
 (``tools._memrecord``), never takes one loader's row for the job's. A loader whose arena is
 replaced (retired after an interruption, or ``pin_memory`` changed) keeps its number: the new
 arena's export takes it over and the old one writes no more (:meth:`StatsExport.hand_over`), as
 the new rows count what the old arena still holds (``bytes_retired``); rows of both would count
 it twice.
 
-The descriptor is checked before each write to be the very pipe the profiler passed: memprof
-also names it by its identity (``SHMLOADER_STATS_PIPE=<st_dev>:<st_ino>``; without it, the
-descriptor must be a pipe). A process the job started without passing the descriptor on
-(``subprocess`` closes inherited descriptors) inherits the variables, but its descriptor of that
-number is another file, perhaps the user's own log; one the job closed and opened again is too;
-and one whose export failed (the reader went away) stays off for every later loader of the
-process. In each case nothing is written to it (review 69: JSON rows landed in a user's file).
+Only the profiler's pipe gets rows. memprof also names it by its identity
+(``SHMLOADER_STATS_PIPE=<st_dev>:<st_ino>``; without it, the descriptor must be a pipe), and an
+export is made only when the descriptor is that pipe; it then writes through a duplicate of its
+own (close-on-exec), checked again before each write. A process the job started without passing
+the descriptor on (``subprocess`` closes inherited descriptors by default; so do torchrun's ranks
+and ``spawn`` children) inherits the variables, but under that number has another file, perhaps
+its own log: it exports nothing (one warning). A pipe a write failed on (the reader went away)
+stays off for every later loader of the process (review 69: JSON rows landed in a user's file).
+Rows come from the processes that hold the pipe: the job's, its forked children, and processes
+given the descriptor (``pass_fds``). The export's warnings never escalate into errors
+(:func:`_tell`).
 
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
-processes (ranks, several loaders) and threads never interleave; when unset, the per-batch cost is
-one attribute test; the descriptor is non-blocking, so a reader that falls behind costs rows (one
-warning), never a stalled training step; a write that fails otherwise (the reader went away) turns
-the export off with one warning, and its thread ends. The thread holds the loader's state only
-weakly (it ends once the loader is gone) and never runs in a forked child: a child that yields
-batches of an inherited loader starts its own. Rows of one process may arrive a few microseconds
+processes and threads (several loaders, forked children) never interleave; when unset, the
+per-batch cost is one attribute test; the descriptor is non-blocking, so a reader that falls
+behind costs rows (one warning), never a stalled training step; a write that fails otherwise (the
+reader went away) turns the export off with one warning, and its thread ends. The thread holds
+the loader's state only weakly (it ends once the loader is gone) and never runs in a forked
+child: a child that yields batches of an inherited loader starts its own. Rows of one process may
+arrive a few microseconds
 out of ``t`` order.
 """
 
@@ -102,6 +107,7 @@ class StatsExport:
         self.fd = fd
         self.interval = interval
         self.pipe = identity(fd) if pipe is None else pipe  # what fd names: checked per write
+        self.named_fd = fd  # the number the environment named (fd is a duplicate of it)
         self._off = False  # handed over to a new arena's export, or failed: writes nothing
         self.loader = next(_serials)  # with the pid, names the loader's rows (module docstring)
         self._next = 0.0
@@ -118,10 +124,9 @@ class StatsExport:
         try:
             fd, interval = int(text), float(os.environ.get(ENV_INTERVAL, "0.1"))
         except ValueError:
-            userwarn.warn(
+            _tell(
                 f"{ENV_FD}={text!r} / {ENV_INTERVAL}={os.environ.get(ENV_INTERVAL)!r} are not "
-                "numbers; shmloader exports no statistics",
-                RuntimeWarning,
+                "numbers; shmloader exports no statistics"
             )
             return None
         pipe = _ours(fd)
@@ -129,9 +134,16 @@ class StatsExport:
             if pipe is None:
                 _refuse(fd)
             return None
+        # Written through a descriptor of its own (close-on-exec): the number the environment
+        # names may be closed and reused by the job for a file of its own later (review 70).
+        own = os.dup(fd)
         # A reader that falls behind must never stall training: a full pipe drops rows.
-        os.set_blocking(fd, False)
-        return cls(fd, interval, pipe)
+        os.set_blocking(own, False)
+        export = cls(own, interval, pipe)
+        export.named_fd = fd
+        closer = weakref.finalize(export, os.close, own)
+        closer.atexit = False  # (the process's exit closes it; the final rows come first)
+        return export
 
     def tick(self, snapshot: Snapshot) -> None:
         """Write a row if ``interval`` has passed since the last one; the first call in a process
@@ -200,19 +212,21 @@ class StatsExport:
     def write(self, message: dict[str, Any]) -> None:
         if self._off:
             return
+        line = (json.dumps(message) + "\n").encode()
         if identity(self.fd) != self.pipe:
             self._stop(f"fd {self.fd} no longer names the pipe it was given (it was closed, "
                        "and the number may name another file now)")
             return
+        if self._off:  # handed over during the check (review 70): not a row of ours any more
+            return
         try:
-            os.write(self.fd, (json.dumps(message) + "\n").encode())
+            os.write(self.fd, line)
         except BlockingIOError:
             # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
             if not self.dropped:
-                userwarn.warn(
-                    f"shmloader: the reader of {ENV_FD}={self.fd} is behind; statistics rows "
-                    "are dropped while its pipe is full",
-                    RuntimeWarning,
+                _tell(
+                    f"shmloader: the reader of {ENV_FD}={self.named_fd} is behind; statistics "
+                    "rows are dropped while its pipe is full"
                 )
             self.dropped += 1
         except OSError as e:
@@ -224,22 +238,27 @@ class StatsExport:
         self._off = True
         self.interval = float("inf")
         self._next = float("inf")
-        userwarn.warn(
-            f"shmloader stops exporting statistics to fd {self.fd} ({ENV_FD}): {why}",
-            RuntimeWarning,
-        )
+        _tell(f"shmloader stops exporting statistics to fd {self.named_fd} ({ENV_FD}): {why}")
+
+
+def _tell(message: str) -> None:
+    """A RuntimeWarning about the export, which never escalates: under an error filter
+    (``-W error``, pytest's ``filterwarnings = error``) it is dropped, not raised into the
+    training loop (review 70: a helper process of a profiled job died at its first ``iter()``).
+    The export is a side channel; it never fails the job."""
+    with contextlib.suppress(Warning):
+        userwarn.warn(message, RuntimeWarning)
 
 
 def _refuse(fd: int) -> None:
-    """Warn, once a process, that the descriptor the environment names is not the pipe."""
+    """Say, once a process, that the descriptor the environment names is not the pipe."""
     global _refused
     if not _refused:
         _refused = True
-        userwarn.warn(
+        _tell(
             f"{ENV_FD}={fd} does not name the profiler's pipe in this process (a process "
             "started without the descriptor passed on, where that number is another file, or "
-            "none); shmloader exports no statistics from it",
-            RuntimeWarning,
+            "none); shmloader exports no statistics from it"
         )
 
 
@@ -264,10 +283,7 @@ def _repeat(
         try:
             export._due(snapshot)
         except Exception as e:  # noqa: BLE001 - stats() failed: stop this thread, keep the job
-            userwarn.warn(
-                f"shmloader stops exporting statistics between batches: {e!r}",
-                RuntimeWarning,
-            )
+            _tell(f"shmloader stops exporting statistics between batches: {e!r}")
             return
         del export, snapshot
 

@@ -114,7 +114,7 @@ class _Reports:
             *lines, self.buf = self.buf.split(b"\n")
             for line in lines:
                 self.rec.add_report(json.loads(line))
-            # Every loader's latest row, summed (several loaders, or ranks): a loader that is
+            # Every loader's latest row, summed (several loaders or processes): a loader that is
             # gone stops writing, and drops out once a few intervals have passed without a row.
             self.latest_arena = self.rec.live_arena(LIVE_STALE_INTERVALS * self.rec.interval_s
                                                     + LIVE_STALE_S)

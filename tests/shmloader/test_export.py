@@ -1,5 +1,6 @@
 import json
 import os
+import warnings
 
 import pytest
 
@@ -18,7 +19,8 @@ def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch):
     try:
         monkeypatch.setenv(ENV_FD, str(w))
         exp = StatsExport.from_environment()
-        assert exp is not None and exp.fd == w and exp.interval == 0.1
+        assert exp is not None and exp.named_fd == w and exp.interval == 0.1
+        assert export.identity(exp.fd) == export.identity(w)  # its own descriptor of the pipe
     finally:
         os.close(r)
         os.close(w)
@@ -137,4 +139,74 @@ def test_a_reader_that_went_away_turns_the_export_off_with_one_warning():
             exp.tick(lambda: EMPTY)
         exp.tick(lambda: EMPTY)  # off: no second write, no second warning
     finally:
+        os.close(w)
+
+
+def test_rows_go_to_the_pipe_after_the_job_reuses_the_number_it_was_named_by(
+    monkeypatch, tmp_path, fresh_process_state
+):
+    # Review 70: the check before a write and the write were two steps: a number the job
+    # closed and reused in between (dup2 of its log onto it) still got a row. The export writes
+    # through a descriptor of its own, which the job never reuses.
+    r, w = os.pipe()
+    pipe = os.fstat(w)
+    monkeypatch.setenv(ENV_FD, str(w))
+    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    exp = StatsExport.from_environment()
+    assert exp is not None
+    try:
+        with open(tmp_path / "log.txt", "w") as log:
+            os.dup2(log.fileno(), w)  # the job's own file under the number it was named by
+        exp.tick(lambda: EMPTY)
+        os.set_blocking(r, False)
+        row = json.loads(os.read(r, 1 << 16).decode().splitlines()[0])
+    finally:
+        os.close(r)
+        os.close(w)
+    assert row["kind"] == "arena"
+    assert _rows_in(tmp_path / "log.txt") == ""
+
+
+def test_the_export_s_warnings_never_fail_the_job_under_an_error_filter(
+    monkeypatch, tmp_path, fresh_process_state
+):
+    # Review 70: with warnings as errors (-W error, pytest's filterwarnings = error), a helper
+    # process of a profiled job that had not been given the pipe died at its first iter().
+    with open(tmp_path / "log.txt", "w") as log:
+        monkeypatch.setenv(ENV_FD, str(log.fileno()))
+        monkeypatch.delenv(ENV_PIPE, raising=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert StatsExport.from_environment() is None
+    r, w = os.pipe()
+    os.close(r)
+    exp = StatsExport(w, interval=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            exp.tick(lambda: EMPTY)  # the reader went away: off, quietly
+    finally:
+        os.close(w)
+    assert exp._off
+
+
+def test_a_hand_over_during_the_check_before_a_write_drops_that_row(monkeypatch):
+    # Review 70: _off was looked at before the descriptor's check (an fstat, which releases the
+    # GIL) but not after it: a hand-over inside it still let one old row out after the new one.
+    r, w = os.pipe()
+    old, new = StatsExport(w, interval=3600), StatsExport(w, interval=3600)
+    real = export.identity
+
+    def identity_while_handed_over(fd: int):
+        old.hand_over(new)  # (the iterating thread, while the old export's thread checks)
+        return real(fd)
+
+    monkeypatch.setattr(export, "identity", identity_while_handed_over)
+    try:
+        old.tick(lambda: EMPTY)
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        os.close(r)
         os.close(w)
