@@ -141,7 +141,7 @@ class StatsExport:
         os.set_blocking(own, False)
         export = cls(own, interval, pipe)
         export.named_fd = fd
-        closer = weakref.finalize(export, os.close, own)
+        closer = weakref.finalize(export, _close_if, own, pipe)
         closer.atexit = False  # (the process's exit closes it; the final rows come first)
         return export
 
@@ -239,6 +239,14 @@ class StatsExport:
         self.interval = float("inf")
         self._next = float("inf")
         _tell(f"shmloader stops exporting statistics to fd {self.named_fd} ({ENV_FD}): {why}")
+
+
+def _close_if(fd: int, pipe: tuple[int, int]) -> None:
+    """Close the export's own descriptor, if it still names the pipe: a job that closed it (say
+    ``os.closerange``) may have a file of its own under that number by now."""
+    if identity(fd) == pipe:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _tell(message: str) -> None:

@@ -1,3 +1,4 @@
+import gc
 import json
 import os
 import warnings
@@ -207,6 +208,37 @@ def test_a_hand_over_during_the_check_before_a_write_drops_that_row(monkeypatch)
         os.set_blocking(r, False)
         with pytest.raises(BlockingIOError):
             os.read(r, 1)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_dropped_export_closes_its_own_descriptor_and_never_a_reused_number(
+    monkeypatch, tmp_path, fresh_process_state
+):
+    r, w = os.pipe()
+    pipe = os.fstat(w)
+    monkeypatch.setenv(ENV_FD, str(w))
+    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    try:
+        first = StatsExport.from_environment()
+        assert first is not None
+        own = first.fd
+        del first
+        gc.collect()
+        assert export.identity(own) is None  # its own descriptor went with it
+        second = StatsExport.from_environment()
+        assert second is not None
+        number = second.fd
+        with open(tmp_path / "log.txt", "w") as log:
+            os.close(number)  # the job closed it (os.closerange, say) ...
+            os.dup2(log.fileno(), number)  # ... and has a file of its own under that number
+            try:
+                del second
+                gc.collect()
+                assert os.fstat(number).st_ino == os.fstat(log.fileno()).st_ino  # left open
+            finally:
+                os.close(number)
     finally:
         os.close(r)
         os.close(w)
