@@ -26,15 +26,16 @@ it twice.
 
 Only the profiler's pipe gets rows. memprof also names it by its identity
 (``SHMLOADER_STATS_PIPE=<st_dev>:<st_ino>``; without it, the descriptor must be a pipe), and an
-export is made only when the descriptor is that pipe; it then writes through a duplicate of its
-own (close-on-exec), checked again before each write. A process the job started without passing
-the descriptor on (``subprocess`` closes inherited descriptors by default; so do torchrun's ranks
-and ``spawn`` children) inherits the variables, but under that number has another file, perhaps
-its own log: it exports nothing (one warning). A pipe a write failed on (the reader went away)
-stays off for every later loader of the process (review 69: JSON rows landed in a user's file).
-Rows come from the processes that hold the pipe: the job's, its forked children, and processes
-given the descriptor (``pass_fds``). The export's warnings never escalate into errors
-(:func:`_tell`).
+export is made only when the descriptor is that pipe; it then writes through the process's own
+duplicate of it (close-on-exec, numbered 3 or more, shared by its exports, never closed:
+:func:`_own_descriptor`), checked again before each write, under a lock a hand-over takes too. A
+process the job started without passing the descriptor on (``subprocess`` closes inherited
+descriptors by default; so do torchrun's ranks and ``spawn`` children) inherits the variables, but
+under that number has another file, perhaps its own log: it exports nothing (one warning). A pipe
+a write failed on (the reader went away) stays off for every later loader of the process (review
+69: JSON rows landed in a user's file). Rows come from the processes that hold the pipe: the
+job's, its forked children, and processes given the descriptor (``pass_fds``). The export's
+warnings never escalate into errors (:func:`_tell`).
 
 Invariants: a line is one ``os.write`` of fewer than ``PIPE_BUF`` bytes, so lines of several
 processes and threads (several loaders, forked children) never interleave; when unset, the
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -75,6 +77,8 @@ _exit_hook = threading.Lock()
 _exit_hooked = False
 _serials = itertools.count(1)  # the exports of this process, in the order made
 _failed: set[tuple[int, int]] = set()  # pipes a write failed on in this process: off for good
+_own: int | None = None  # this process's descriptor of the pipe (_own_descriptor)
+_LOWEST = 3  # never 0, 1 or 2: a job that closed one of those reuses it for its stdio
 _refused = False  # whether this process warned that the descriptor is not the profiler's
 
 
@@ -109,6 +113,10 @@ class StatsExport:
         self.pipe = identity(fd) if pipe is None else pipe  # what fd names: checked per write
         self.named_fd = fd  # the number the environment named (fd is a duplicate of it)
         self._off = False  # handed over to a new arena's export, or failed: writes nothing
+        # held across the check of _off and the write, and by hand_over (review 71: a row of the
+        # old arena could still land after the new one's); re-entrant for a hand-over from a
+        # signal handler, or a test, inside a write
+        self._writing = threading.RLock()
         self.loader = next(_serials)  # with the pid, names the loader's rows (module docstring)
         self._next = 0.0
         self._claim = threading.Lock()  # one row per interval between the yields and the thread
@@ -136,13 +144,8 @@ class StatsExport:
             return None
         # Written through a descriptor of its own (close-on-exec): the number the environment
         # names may be closed and reused by the job for a file of its own later (review 70).
-        own = os.dup(fd)
-        # A reader that falls behind must never stall training: a full pipe drops rows.
-        os.set_blocking(own, False)
-        export = cls(own, interval, pipe)
+        export = cls(_own_descriptor(fd, pipe), interval, pipe)
         export.named_fd = fd
-        closer = weakref.finalize(export, _close_if, own, pipe)
-        closer.atexit = False  # (the process's exit closes it; the final rows come first)
         return export
 
     def tick(self, snapshot: Snapshot) -> None:
@@ -196,9 +199,10 @@ class StatsExport:
         """The loader's arena was replaced: ``successor`` (the new arena's export) writes its
         rows under this one's number from now on, and this one writes none (its thread ends at
         its next wake-up; no final row at exit)."""
-        successor.loader = self.loader
-        self._off = True
-        self._next = float("inf")
+        with self._writing:
+            successor.loader = self.loader
+            self._off = True
+            self._next = float("inf")
 
     def final(self) -> None:
         """Write the current state now, throttle or not (at exit), if this process exports it."""
@@ -210,29 +214,28 @@ class StatsExport:
             self._row(snapshot, time.monotonic())
 
     def write(self, message: dict[str, Any]) -> None:
-        if self._off:
-            return
         line = (json.dumps(message) + "\n").encode()
-        if identity(self.fd) != self.pipe:
-            self._stop(f"fd {self.fd} no longer names the pipe it was given (it was closed, "
-                       "and the number may name another file now)")
-            return
-        if self._off:  # handed over during the check (review 70): not a row of ours any more
-            return
-        try:
-            os.write(self.fd, line)
-        except BlockingIOError:
-            # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
-            if not self.dropped:
-                _tell(
-                    f"shmloader: the reader of {ENV_FD}={self.named_fd} is behind; statistics "
-                    "rows are dropped while its pipe is full"
-                )
-            self.dropped += 1
-        except OSError as e:
-            if self.pipe is not None:
-                _failed.add(self.pipe)  # every later export of this process stays off too
-            self._stop(str(e))
+        with self._writing:  # (a hand-over waits for a row being written, then stops the next)
+            if self._off:
+                return
+            if identity(self.fd) != self.pipe:
+                self._stop("the descriptor it writes through no longer names the pipe (the job "
+                           "closed it, and that number may name another file now)")
+                return
+            try:
+                os.write(self.fd, line)
+            except BlockingIOError:
+                # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
+                if not self.dropped:
+                    _tell(
+                        f"shmloader: the reader of {ENV_FD}={self.named_fd} is behind; "
+                        "statistics rows are dropped while its pipe is full"
+                    )
+                self.dropped += 1
+            except OSError as e:
+                if self.pipe is not None:
+                    _failed.add(self.pipe)  # every later export of this process stays off too
+                self._stop(str(e))
 
     def _stop(self, why: str) -> None:
         self._off = True
@@ -241,12 +244,21 @@ class StatsExport:
         _tell(f"shmloader stops exporting statistics to fd {self.named_fd} ({ENV_FD}): {why}")
 
 
-def _close_if(fd: int, pipe: tuple[int, int]) -> None:
-    """Close the export's own descriptor, if it still names the pipe: a job that closed it (say
-    ``os.closerange``) may have a file of its own under that number by now."""
-    if identity(fd) == pipe:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+def _own_descriptor(fd: int, pipe: tuple[int, int]) -> int:
+    """This process's own descriptor of the profiler's pipe, shared by its exports: a
+    close-on-exec duplicate of ``fd``, numbered 3 or more (review 71: a job that had closed its
+    stdout got the duplicate as fd 1, and its prints went down the pipe), made once and never
+    closed (review 71: a finalizer that closed it by number closed what the job, or another
+    loader's export, had under that number by then). A job that closed it meanwhile gets a new
+    one; the number it had is left alone."""
+    global _own
+    if _own is not None and identity(_own) == pipe:
+        return _own
+    own = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _LOWEST)
+    # A reader that falls behind must never stall training: a full pipe drops rows.
+    os.set_blocking(own, False)
+    _own = own
+    return own
 
 
 def _tell(message: str) -> None:

@@ -121,6 +121,7 @@ class Recording:
     # each loader's latest arena row, kept as rows arrive: live_arena() reads it on every read
     # of the job's pipe, which a scan of every row so far made quadratic (review 68)
     latest_arena: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    unreadable_lines: int = 0  # lines on the report pipe that were no JSON row (skipped)
 
     def add_tick(self, rows: list[ProcSample], shm: ShmUsage, memfd_bytes: int = 0) -> None:
         """One tick: the processes' rows, ``/dev/shm``, and the bytes of shared memory outside
@@ -217,6 +218,7 @@ class Recording:
                 "peak_memfd_bytes": max((m for _, _, _, m in self.shm), default=0),
             },
             "arena": self._arena_summary(),
+            "unreadable_report_lines": self.unreadable_lines,
             "still_running": self.still_running,
         }
 
@@ -365,6 +367,9 @@ def format_summary(s: dict[str, Any]) -> str:
         cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
                                                                                   strict=True))]
         lines.append("   " + "  ".join(cells))
+    if s.get("unreadable_report_lines"):
+        lines.append(f"   {s['unreadable_report_lines']} lines on the stats pipe were no JSON "
+                     "row (something else wrote into it) and were skipped")
     if s["still_running"]:
         lines.append(f"   still running when sampling stopped: {s['still_running']}")
     return "\n".join(lines)

@@ -113,7 +113,15 @@ class _Reports:
             self.buf += data
             *lines, self.buf = self.buf.split(b"\n")
             for line in lines:
-                self.rec.add_report(json.loads(line))
+                try:
+                    message = json.loads(line)
+                except ValueError:  # not a row: bytes something else wrote into the pipe
+                    self.rec.unreadable_lines += 1
+                    continue
+                if isinstance(message, dict):
+                    self.rec.add_report(message)
+                else:
+                    self.rec.unreadable_lines += 1
             # Every loader's latest row, summed (several loaders or processes): a loader that is
             # gone stops writing, and drops out once a few intervals have passed without a row.
             self.latest_arena = self.rec.live_arena(LIVE_STALE_INTERVALS * self.rec.interval_s

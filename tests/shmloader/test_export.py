@@ -1,6 +1,8 @@
-import gc
 import json
 import os
+import subprocess
+import sys
+import threading
 import warnings
 
 import pytest
@@ -10,6 +12,7 @@ from shmloader.export import ENV_FD, ENV_PIPE, StatsExport
 from shmloader.stats import no_arena
 
 EMPTY = no_arena(0)
+WAIT_S = 30.0  # a bound on any wait; never reached when all is well
 
 
 def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch):
@@ -191,54 +194,61 @@ def test_the_export_s_warnings_never_fail_the_job_under_an_error_filter(
     assert exp._off
 
 
-def test_a_hand_over_during_the_check_before_a_write_drops_that_row(monkeypatch):
-    # Review 70: _off was looked at before the descriptor's check (an fstat, which releases the
-    # GIL) but not after it: a hand-over inside it still let one old row out after the new one.
+def test_a_hand_over_waits_for_a_row_being_written_and_no_old_row_follows_it(monkeypatch):
+    # Reviews 70, 71: a hand-over between the old export's check and its write let one old row
+    # out after the new one. Now the hand-over waits for a row being written, then stops the
+    # old export: that row lands first, and nothing of the old export after it.
     r, w = os.pipe()
     old, new = StatsExport(w, interval=3600), StatsExport(w, interval=3600)
+    inside, go_on = threading.Event(), threading.Event()
     real = export.identity
 
-    def identity_while_handed_over(fd: int):
-        old.hand_over(new)  # (the iterating thread, while the old export's thread checks)
+    def slow_identity(fd: int):
+        inside.set()
+        assert go_on.wait(WAIT_S)
         return real(fd)
 
-    monkeypatch.setattr(export, "identity", identity_while_handed_over)
+    monkeypatch.setattr(export, "identity", slow_identity)
+    writer = threading.Thread(target=old.write, args=({"who": "old"},))
+    writer.start()
     try:
-        old.tick(lambda: EMPTY)
+        assert inside.wait(WAIT_S)
+        handing = threading.Thread(target=old.hand_over, args=(new,))
+        handing.start()
+        go_on.set()
+        handing.join(WAIT_S)
+        writer.join(WAIT_S)
+        monkeypatch.setattr(export, "identity", real)
+        new.write({"who": "new"})
+        old.write({"who": "old, after"})
         os.set_blocking(r, False)
-        with pytest.raises(BlockingIOError):
-            os.read(r, 1)
+        rows = [json.loads(line)["who"] for line in os.read(r, 1 << 16).decode().splitlines()]
     finally:
+        go_on.set()
         os.close(r)
         os.close(w)
+    assert rows == ["old", "new"]
 
 
-def test_a_dropped_export_closes_its_own_descriptor_and_never_a_reused_number(
-    monkeypatch, tmp_path, fresh_process_state
-):
-    r, w = os.pipe()
-    pipe = os.fstat(w)
-    monkeypatch.setenv(ENV_FD, str(w))
-    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
-    try:
-        first = StatsExport.from_environment()
-        assert first is not None
-        own = first.fd
-        del first
-        gc.collect()
-        assert export.identity(own) is None  # its own descriptor went with it
-        second = StatsExport.from_environment()
-        assert second is not None
-        number = second.fd
-        with open(tmp_path / "log.txt", "w") as log:
-            os.close(number)  # the job closed it (os.closerange, say) ...
-            os.dup2(log.fileno(), number)  # ... and has a file of its own under that number
-            try:
-                del second
-                gc.collect()
-                assert os.fstat(number).st_ino == os.fstat(log.fileno()).st_ino  # left open
-            finally:
-                os.close(number)
-    finally:
-        os.close(r)
-        os.close(w)
+STDOUT_CLOSED = """
+import os, sys
+from shmloader import export
+r, w = os.pipe()
+os.environ["SHMLOADER_STATS_FD"] = str(w)
+os.close(1)  # the job closed its stdout: fd 1 is the lowest free number
+exports = [export.StatsExport.from_environment() for _ in range(3)]
+del exports[0]  # a dropped loader's export closes nothing
+print(*sorted({e.fd for e in exports}), os.path.sameopenfile(exports[0].fd, w), file=sys.stderr)
+"""
+
+
+def test_the_process_s_exports_share_one_descriptor_above_stdio_and_never_close_it():
+    # Review 71: the export's own duplicate took the lowest free number, fd 1 for a job that had
+    # closed its stdout, whose prints then went down memprof's pipe (memprof died in
+    # json.loads); and a dropped export's finalizer closed that number, by then another
+    # loader's descriptor of the pipe or a file of the job's.
+    done = subprocess.run([sys.executable, "-c", STDOUT_CLOSED], capture_output=True, text=True,
+                          timeout=WAIT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    fds, same = done.stderr.split()
+    assert int(fds) >= 3 and same == "True"

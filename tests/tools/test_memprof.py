@@ -4,6 +4,7 @@ live view, and the optional plot."""
 import csv
 import io
 import json
+import os
 import select
 import subprocess
 import sys
@@ -403,3 +404,22 @@ def test_the_arena_panel_stacks_every_loader_s_bytes_together():
     assert ts == [0.1 * i for i in range(6)]
     # (loader 1's last row is at 0.4 s: past it, it counts as gone, as in the summary)
     assert lent == [24.0, 30.0, 30.0, 30.0, 30.0, 6.0]
+
+
+def test_a_line_on_the_stats_pipe_that_is_no_row_is_skipped_and_counted():
+    # Review 71: a job whose stdout landed on the stats pipe killed memprof in json.loads,
+    # and no summary was written.
+    r, w = os.pipe()
+    try:
+        rec = _recording([([_sample(0.0, 10, "main", 10)], 0)])
+        reports = memprof._Reports(r, rec)
+        row = {"kind": "arena", "t": rec.t0 + 0.1, "pid": 10, "loader": 1, "bytes_reserved": 40}
+        os.write(w, b"hello from print()\n" + json.dumps(row).encode() + b"\n[1, 2]\n")
+        assert reports.drain()
+    finally:
+        os.close(r)
+        os.close(w)
+    summary = rec.summary()
+    assert summary["unreadable_report_lines"] == 2
+    assert summary["arena"]["peak_bytes_reserved"] == 40
+    assert "2 lines on the stats pipe were no JSON row" in format_summary(summary)
