@@ -144,7 +144,12 @@ class StatsExport:
             return None
         # Written through a descriptor of its own (close-on-exec): the number the environment
         # names may be closed and reused by the job for a file of its own later (review 70).
-        export = cls(_own_descriptor(fd, pipe), interval, pipe)
+        try:
+            own = _own_descriptor(fd, pipe)
+        except OSError as e:  # no descriptor to spare (RLIMIT_NOFILE): no rows, never a failure
+            _tell(f"shmloader exports no statistics to {ENV_FD}={fd} from this loader: {e}")
+            return None
+        export = cls(own, interval, pipe)
         export.named_fd = fd
         return export
 

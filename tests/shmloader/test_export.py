@@ -15,7 +15,7 @@ EMPTY = no_arena(0)
 WAIT_S = 30.0  # a bound on any wait; never reached when all is well
 
 
-def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch):
+def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch, fresh_process_state):
     monkeypatch.delenv(ENV_FD, raising=False)
     monkeypatch.delenv(ENV_PIPE, raising=False)
     assert StatsExport.from_environment() is None
@@ -32,9 +32,14 @@ def test_export_is_off_unless_the_environment_names_a_descriptor(monkeypatch):
 
 @pytest.fixture
 def fresh_process_state(monkeypatch):
-    """This process as if no export had failed or been refused yet."""
+    """This process as if no export had been made, failed or been refused yet; the descriptor
+    a test's exports made of its pipe is closed after it."""
     monkeypatch.setattr(export, "_failed", set())
     monkeypatch.setattr(export, "_refused", False)
+    monkeypatch.setattr(export, "_own", None)
+    yield
+    if export._own is not None:
+        os.close(export._own)
 
 
 def _rows_in(path) -> str:
@@ -252,3 +257,23 @@ def test_the_process_s_exports_share_one_descriptor_above_stdio_and_never_close_
     assert done.returncode == 0, done.stderr
     fds, same = done.stderr.split()
     assert int(fds) >= 3 and same == "True"
+
+
+def test_no_descriptor_to_spare_means_no_rows_not_a_failed_iter(monkeypatch, fresh_process_state):
+    # (review 72's brief) A process at its descriptor limit could not duplicate the pipe: the
+    # OSError came out of the loader's iter().
+    r, w = os.pipe()
+    pipe = os.fstat(w)
+    monkeypatch.setenv(ENV_FD, str(w))
+    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+
+    def no_room(*args: object) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(export.fcntl, "fcntl", no_room)
+    try:
+        with pytest.warns(RuntimeWarning, match="Too many open files"):
+            assert StatsExport.from_environment() is None
+    finally:
+        os.close(r)
+        os.close(w)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from shmloader import export as export_module
 from shmloader.export import StatsExport
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,13 +197,17 @@ def test_a_reader_that_falls_behind_costs_rows_not_a_stalled_loop(pipe, monkeypa
     r, w = pipe
     monkeypatch.setenv("SHMLOADER_STATS_FD", str(w))
     monkeypatch.setenv("SHMLOADER_STATS_INTERVAL", "0")
+    monkeypatch.setattr(export_module, "_own", None)  # (this test's pipe gets its own)
     export = StatsExport.from_environment()
     assert export is not None
-    with pytest.warns(RuntimeWarning, match="is behind; statistics rows are dropped"):
-        for _ in range(20_000):  # ~1 MB of rows into a 64 KiB pipe
-            export.write({"kind": "arena", "pad": "x" * 40})
-    assert export.dropped > 0
-    assert Rows(r).next()["kind"] == "arena"  # what fitted is whole lines
+    try:
+        with pytest.warns(RuntimeWarning, match="is behind; statistics rows are dropped"):
+            for _ in range(20_000):  # ~1 MB of rows into a 64 KiB pipe
+                export.write({"kind": "arena", "pad": "x" * 40})
+        assert export.dropped > 0
+        assert Rows(r).next()["kind"] == "arena"  # what fitted is whole lines
+    finally:
+        os.close(export.fd)  # the process's own descriptor of this test's pipe
 
 
 TWO_LOADERS = textwrap.dedent(
