@@ -220,33 +220,36 @@ class StatsExport:
 
     def write(self, message: dict[str, Any]) -> None:
         line = (json.dumps(message) + "\n").encode()
+        say = None  # warned after the lock is let go (review 72: a warning hook that took the
+        # loader's lock deadlocked a hand-over, and a slow one held up the training loop)
         with self._writing:  # (a hand-over waits for a row being written, then stops the next)
             if self._off:
                 return
             if identity(self.fd) != self.pipe:
-                self._stop("the descriptor it writes through no longer names the pipe (the job "
-                           "closed it, and that number may name another file now)")
-                return
-            try:
-                os.write(self.fd, line)
-            except BlockingIOError:
-                # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
-                if not self.dropped:
-                    _tell(
-                        f"shmloader: the reader of {ENV_FD}={self.named_fd} is behind; "
-                        "statistics rows are dropped while its pipe is full"
-                    )
-                self.dropped += 1
-            except OSError as e:
-                if self.pipe is not None:
-                    _failed.add(self.pipe)  # every later export of this process stays off too
-                self._stop(str(e))
+                say = self._stop("the descriptor it writes through no longer names the pipe "
+                                 "(the job closed it, and that number may name another file now)")
+            else:
+                try:
+                    os.write(self.fd, line)
+                except BlockingIOError:
+                    # The reader is behind (a whole line or nothing: lines are under PIPE_BUF).
+                    if not self.dropped:
+                        say = (f"shmloader: the reader of {ENV_FD}={self.named_fd} is behind; "
+                               "statistics rows are dropped while its pipe is full")
+                    self.dropped += 1
+                except OSError as e:
+                    if self.pipe is not None:
+                        _failed.add(self.pipe)  # every later export of this process stays off
+                    say = self._stop(str(e))
+        if say is not None:
+            _tell(say)
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str) -> str:
+        """Turn the export off; what to warn (once the write's lock is let go)."""
         self._off = True
         self.interval = float("inf")
         self._next = float("inf")
-        _tell(f"shmloader stops exporting statistics to fd {self.named_fd} ({ENV_FD}): {why}")
+        return f"shmloader stops exporting statistics to fd {self.named_fd} ({ENV_FD}): {why}"
 
 
 def _own_descriptor(fd: int, pipe: tuple[int, int]) -> int:

@@ -132,16 +132,21 @@ class Recording:
         self.shm.append((t, shm.used_bytes, shm.entries, memfd_bytes))
 
     def add_report(self, message: dict[str, Any]) -> None:
-        """One JSON line from the job (tools._memjob: ``workers``, ``arena``, ``done``)."""
-        kind = message.pop("kind", "")
-        message["t"] = round(float(message.get("t", self.t0)) - self.t0, 4)
+        """One JSON line from the job (tools._memjob: ``workers``, ``arena``, ``done``). A line
+        that is no such row raises (``ValueError``, ``TypeError``, ...) before anything is
+        recorded: memprof counts it as unreadable (something else wrote into the pipe)."""
+        kind = message.get("kind", "")
+        t = round(float(message.get("t", self.t0)) - self.t0, 4)
+        key = loader_of(message)
+        pids = list(message.get("pids", [])) if kind == "workers" else []
+        del message["kind"]
+        message["t"] = t
         if kind == "arena":
             self.arena.append(message)
-            key = loader_of(message)
             if key not in self.latest_arena or message["t"] >= self.latest_arena[key]["t"]:
                 self.latest_arena[key] = message
         elif kind == "workers":
-            for i, pid in enumerate(message.get("pids", [])):
+            for i, pid in enumerate(pids):
                 member = self.tree.members.get(pid)
                 if member is not None:
                     member.role = f"worker{i}"

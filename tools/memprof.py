@@ -118,9 +118,9 @@ class _Reports:
                 except ValueError:  # not a row: bytes something else wrote into the pipe
                     self.rec.unreadable_lines += 1
                     continue
-                if isinstance(message, dict):
-                    self.rec.add_report(message)
-                else:
+                try:
+                    self.rec.add_report(message)  # (a JSON line that is no row raises here)
+                except (AttributeError, KeyError, TypeError, ValueError):
                     self.rec.unreadable_lines += 1
             # Every loader's latest row, summed (several loaders or processes): a loader that is
             # gone stops writing, and drops out once a few intervals have passed without a row.

@@ -277,3 +277,33 @@ def test_no_descriptor_to_spare_means_no_rows_not_a_failed_iter(monkeypatch, fre
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_warning_hook_that_waits_for_a_hand_over_does_not_deadlock(monkeypatch):
+    # Review 72: the export warned while holding its write lock, which a hand-over takes: a
+    # warning hook that waited on the thread replacing the loader's arena (a checkpoint hook
+    # taking the loader's lock, inside iter()) deadlocked both.
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old, new = StatsExport(w, interval=0), StatsExport(w, interval=0)
+    handed = threading.Event()
+
+    def hand_over() -> None:
+        old.hand_over(new)
+        handed.set()
+
+    def hook(*args: object, **kwargs: object) -> None:
+        other = threading.Thread(target=hand_over, daemon=True)
+        other.start()
+        other.join(WAIT_S)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            monkeypatch.setattr(warnings, "showwarning", hook)
+            while not old.dropped:  # fill the pipe: the first dropped row warns
+                old.write({"kind": "arena", "pad": "x" * 100})
+    finally:
+        os.close(r)
+        os.close(w)
+    assert handed.is_set()

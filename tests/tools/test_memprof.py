@@ -423,3 +423,22 @@ def test_a_line_on_the_stats_pipe_that_is_no_row_is_skipped_and_counted():
     assert summary["unreadable_report_lines"] == 2
     assert summary["arena"]["peak_bytes_reserved"] == 40
     assert "2 lines on the stats pipe were no JSON row" in format_summary(summary)
+
+
+@pytest.mark.parametrize("line", [
+    b'{"t": "12:00:01", "msg": "epoch 1"}', b'{"kind": "workers", "pids": 5}', b'{"t": null}',
+    b'{"kind": "arena", "t": 1.0, "pid": "x"}',
+])  # fmt: skip
+def test_a_json_line_that_is_no_row_is_skipped_too(line):
+    # Review 72: a structured-log line (a dict) passed json.loads and then raised in
+    # add_report, out of memprof's loop.
+    r, w = os.pipe()
+    try:
+        rec = _recording([([_sample(0.0, 10, "main", 10)], 0)])
+        reports = memprof._Reports(r, rec)
+        os.write(w, line + b"\n")
+        assert reports.drain()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert rec.unreadable_lines == 1 and rec.arena == [] and rec.summary()["arena"] is None
