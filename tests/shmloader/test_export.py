@@ -42,6 +42,15 @@ def fresh_process_state(monkeypatch):
         os.close(export._own)
 
 
+def _named_pipe(monkeypatch) -> tuple[int, int]:
+    """A pipe (read, write), named in the environment as memprof names its own."""
+    r, w = os.pipe()
+    pipe = os.fstat(w)
+    monkeypatch.setenv(ENV_FD, str(w))
+    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    return r, w
+
+
 def _rows_in(path) -> str:
     with open(path) as f:
         return f.read()
@@ -78,10 +87,7 @@ def test_a_pipe_that_failed_stays_off_and_a_reused_number_gets_nothing(
     # Review 69: after the reader went away the export turned off, but the next loader's
     # export (an arena replaced) was made from the environment again; once the job had closed
     # that descriptor and opened a file under its number, the rows went into the file.
-    r, w = os.pipe()
-    pipe = os.fstat(w)
-    monkeypatch.setenv(ENV_FD, str(w))
-    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    r, w = _named_pipe(monkeypatch)
     first = StatsExport.from_environment()
     assert first is not None
     os.close(r)
@@ -157,10 +163,7 @@ def test_rows_go_to_the_pipe_after_the_job_reuses_the_number_it_was_named_by(
     # Review 70: the check before a write and the write were two steps: a number the job
     # closed and reused in between (dup2 of its log onto it) still got a row. The export writes
     # through a descriptor of its own, which the job never reuses.
-    r, w = os.pipe()
-    pipe = os.fstat(w)
-    monkeypatch.setenv(ENV_FD, str(w))
-    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    r, w = _named_pipe(monkeypatch)
     exp = StatsExport.from_environment()
     assert exp is not None
     try:
@@ -262,10 +265,7 @@ def test_the_process_s_exports_share_one_descriptor_above_stdio_and_never_close_
 def test_no_descriptor_to_spare_means_no_rows_not_a_failed_iter(monkeypatch, fresh_process_state):
     # (review 72's brief) A process at its descriptor limit could not duplicate the pipe: the
     # OSError came out of the loader's iter().
-    r, w = os.pipe()
-    pipe = os.fstat(w)
-    monkeypatch.setenv(ENV_FD, str(w))
-    monkeypatch.setenv(ENV_PIPE, f"{pipe.st_dev}:{pipe.st_ino}")
+    r, w = _named_pipe(monkeypatch)
 
     def no_room(*args: object) -> int:
         raise OSError(24, "Too many open files")
