@@ -42,6 +42,11 @@ from shmloader.collate import Alloc, current_session
 from shmloader.notes import add_note
 
 Ragged = Literal["stack", "list", "pad", "rows"]  # "rows": the items of ds[i] (no checks)
+NONE_IN_BATCH = (  # torch's default_collate, when a batch's first value is None
+    "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
+)
+
+
 def _unequal_rows(lengths: np.ndarray) -> str:
     """What torch raises collating rows of these lengths as 1-D tensors: in a worker, its
     collate first sizes a shared output by the rows' total length and reshapes it to ``rows x
@@ -55,10 +60,6 @@ def _unequal_rows(lengths: np.ndarray) -> str:
         f"and [{int(lengths[other])}] at entry {other}"
     )
 
-
-NONE_IN_BATCH = (  # torch's default_collate, when a batch's first value is None
-    "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
-)
 
 @dataclass(frozen=True)
 class Where:
