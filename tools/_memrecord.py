@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,42 @@ ARENA_COLUMNS = (
 # Bytes a loader holds beside its arena's reserved count, whose peaks the summary reports.
 # (``bytes_kept`` is not one: kept slots are lent slots, inside ``bytes_reserved``.)
 OUTSIDE_ARENA = ("bytes_spilled", "bytes_rng_rings", "bytes_retired")
+# The fields of an arena row the summary adds up: numbers in every row that has them.
+_AMOUNTS = frozenset({
+    "bytes_reserved", "bytes_in_use", "high_water_bytes", "slots_total", "growth_events",
+    "batches_held", "pinned_bytes", "bytes_kept", *OUTSIDE_ARENA,
+})  # fmt: skip
 # Fields of an arena row that name it rather than measure it: never summed across loaders.
 _ROW_NAMES = ("t", "pid", "loader")
+
+
+def _check(message: dict[str, Any], kind: str) -> None:
+    """Raise ``ValueError`` unless ``message`` has the shape its producers give it (review 73:
+    a line that merely parsed as JSON, such as a structured-log record, reached the summary and
+    failed there): a finite ``t``; in an ``arena`` row, ``pid`` and ``loader`` integers, the
+    amounts the summary adds up finite numbers, and every other field a number or a string; in
+    a ``workers`` line, a list of integer ``pids``."""
+    t = message.get("t", 0.0)
+    if not (_number(t) and math.isfinite(t)):
+        raise ValueError(f"not a row: t={t!r}")
+    if kind == "arena":
+        for name, value in message.items():
+            if name in ("pid", "loader"):
+                ok = type(value) is int
+            elif name in _AMOUNTS:  # (the summary adds these up)
+                ok = _number(value) and math.isfinite(value)
+            else:
+                ok = isinstance(value, str) or (_number(value) and math.isfinite(value))
+            if not ok:
+                raise ValueError(f"not a row: {name}={value!r}")
+    elif kind == "workers":
+        pids = message.get("pids", [])
+        if type(pids) is not list or any(type(pid) is not int for pid in pids):
+            raise ValueError(f"not a row: pids={pids!r}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def loader_of(row: dict[str, Any]) -> tuple[int, int]:
@@ -137,6 +172,7 @@ class Recording:
         recorded: memprof counts it as unreadable (something else wrote into the pipe)."""
         kind = message.get("kind", "")
         t = round(float(message.get("t", self.t0)) - self.t0, 4)
+        _check(message, kind)
         key = loader_of(message)
         pids = list(message.get("pids", [])) if kind == "workers" else []
         del message["kind"]

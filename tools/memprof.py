@@ -120,7 +120,7 @@ class _Reports:
                     continue
                 try:
                     self.rec.add_report(message)  # (a JSON line that is no row raises here)
-                except (AttributeError, KeyError, TypeError, ValueError):
+                except (AttributeError, KeyError, OverflowError, TypeError, ValueError):
                     self.rec.unreadable_lines += 1
             # Every loader's latest row, summed (several loaders or processes): a loader that is
             # gone stops writing, and drops out once a few intervals have passed without a row.

@@ -427,7 +427,10 @@ def test_a_line_on_the_stats_pipe_that_is_no_row_is_skipped_and_counted():
 
 @pytest.mark.parametrize("line", [
     b'{"t": "12:00:01", "msg": "epoch 1"}', b'{"kind": "workers", "pids": 5}', b'{"t": null}',
-    b'{"kind": "arena", "t": 1.0, "pid": "x"}',
+    b'{"kind": "arena", "t": 1.0, "pid": "x"}', b'{"kind": "arena", "t": 1.0, "pid": 1e999}',
+    b'{"kind": "arena", "t": 1.0, "bytes_reserved": null}', b'{"kind": "workers", "pids": "42"}',
+    b'{"kind": "arena", "t": 1.0, "slots_total": "many"}',
+    b'{"kind": "workers", "pids": [42, [1]]}',
 ])  # fmt: skip
 def test_a_json_line_that_is_no_row_is_skipped_too(line):
     # Review 72: a structured-log line (a dict) passed json.loads and then raised in
@@ -442,3 +445,4 @@ def test_a_json_line_that_is_no_row_is_skipped_too(line):
         os.close(r)
         os.close(w)
     assert rec.unreadable_lines == 1 and rec.arena == [] and rec.summary()["arena"] is None
+    assert rec.pending_roles == {}  # (nothing of a rejected line is recorded, review 73)
