@@ -172,9 +172,7 @@ class StatsExport:
         self._row(snapshot, now)
 
     def _row(self, snapshot: Snapshot, now: float) -> None:
-        row = snapshot().as_row()
-        if self._off:  # handed over while the row was being taken (review 69): not a row of ours
-            return
+        row = snapshot().as_row()  # (handed over meanwhile: write() drops it, under its lock)
         self.write({"kind": "arena", "t": now, "pid": os.getpid(), "loader": self.loader, **row})
 
     def _start(self, snapshot: Snapshot) -> None:
@@ -247,8 +245,7 @@ class StatsExport:
     def _stop(self, why: str) -> str:
         """Turn the export off; what to warn (once the write's lock is let go)."""
         self._off = True
-        self.interval = float("inf")
-        self._next = float("inf")
+        self._next = float("inf")  # (a yield's tick then stops at its one comparison)
         return f"shmloader stops exporting statistics to fd {self.named_fd} ({ENV_FD}): {why}"
 
 

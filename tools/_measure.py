@@ -48,7 +48,7 @@ except ModuleNotFoundError as exc:  # the one package the tools add to shmloader
         name="psutil",
     ) from exc
 
-from ._procmem import read_anon_shmem, read_mem, read_shm
+from ._procmem import footprint, read_anon_shmem, read_mem, read_shm
 from ._report import Progress
 from ._synthetic import Workload
 
@@ -403,13 +403,10 @@ class FootprintSampler:
 
     def _sample(self, me: psutil.Process) -> None:
         pids = [me.pid, *(child.pid for child in me.children(recursive=True))]
-        private = 0
-        for pid in pids:
-            mem = read_mem(pid)
-            if mem is not None:  # (it exited since the list was made: it holds nothing)
-                private += mem.pss - mem.pss_shmem
+        # (a process that exited since the list was made holds nothing: read_mem gives None)
+        mems = [m for m in map(read_mem, pids) if m is not None]
         shared = max(0, read_shm().used_bytes - self.shm_baseline) + read_anon_shmem(pids)
-        self.peak_bytes = max(self.peak_bytes, private + shared)
+        self.peak_bytes = max(self.peak_bytes, footprint(mems, shared))
 
     def _run(self) -> None:
         me = psutil.Process()

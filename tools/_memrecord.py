@@ -42,7 +42,7 @@ from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ._procmem import Member, ProcessTree, ProcSample, ShmUsage
+from ._procmem import Member, ProcessTree, ProcSample, ShmUsage, footprint
 
 MIB = 1024 * 1024
 SAMPLE_COLUMNS = tuple(f.name for f in fields(ProcSample))
@@ -174,7 +174,6 @@ class Recording:
         t = round(float(message.get("t", self.t0)) - self.t0, 4)
         _check(message, kind)
         key = loader_of(message)
-        pids = list(message.get("pids", [])) if kind == "workers" else []
         del message["kind"]
         message["t"] = t
         if kind == "arena":
@@ -182,7 +181,7 @@ class Recording:
             if key not in self.latest_arena or message["t"] >= self.latest_arena[key]["t"]:
                 self.latest_arena[key] = message
         elif kind == "workers":
-            for i, pid in enumerate(pids):
+            for i, pid in enumerate(message.get("pids", [])):  # (a list of ints: _check)
                 member = self.tree.members.get(pid)
                 if member is not None:
                     member.role = f"worker{i}"
@@ -229,12 +228,8 @@ class Recording:
         # Shared memory held at each tick, each object once: /dev/shm's growth plus the memfds.
         shared_at = {t: max(0, u - baseline) + memfd for t, u, _, memfd in self.shm}
 
-        def footprint(t: float, rows: list[ProcSample]) -> int:
-            private = sum(r.pss - r.pss_shmem for r in rows)
-            return private + shared_at.get(t, 0)
-
-        fp_t, fp = max(((t, footprint(t, rs)) for t, rs in ticks.items()), key=lambda x: x[1],
-                       default=(0.0, 0))
+        fp_t, fp = max(((t, footprint(rs, shared_at.get(t, 0))) for t, rs in ticks.items()),
+                       key=lambda x: x[1], default=(0.0, 0))
         return {
             "label": self.label,
             "command": self.command,

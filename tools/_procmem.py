@@ -34,6 +34,7 @@ import os
 from collections import defaultdict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 PROC = "/proc"
 SHM_DIR = "/dev/shm"
@@ -354,6 +355,22 @@ def read_anon_shmem(pids: Iterable[int]) -> int:
             for key, n in read_mapped_rss(pid, only_mapped, dev).items():
                 resident[key] = max(resident.get(key, 0), n)
     return sum(allocated.values()) + sum(resident.values())
+
+
+class _Pss(Protocol):
+    @property
+    def pss(self) -> int: ...
+
+    @property
+    def pss_shmem(self) -> int: ...
+
+
+def footprint(processes: Iterable[_Pss], shared_bytes: int) -> int:
+    """A job's memory, every byte once: each process's private part (``pss - pss_shmem``) plus
+    ``shared_bytes``, the shared memory the job holds counted per object, mapped or not (its
+    ``/dev/shm`` growth and its memfds: ``tools._memrecord``). memprof's footprint and the
+    bench's are this one sum."""
+    return sum(p.pss - p.pss_shmem for p in processes) + shared_bytes
 
 
 def total(rows: Iterable[ProcSample], field: str) -> int:

@@ -114,12 +114,9 @@ class _Reports:
             *lines, self.buf = self.buf.split(b"\n")
             for line in lines:
                 try:
-                    message = json.loads(line)
-                except ValueError:  # not a row: bytes something else wrote into the pipe
-                    self.rec.unreadable_lines += 1
-                    continue
-                try:
-                    self.rec.add_report(message)  # (a JSON line that is no row raises here)
+                    self.rec.add_report(json.loads(line))
+                # not a row: bytes something else wrote into the pipe (not JSON, or JSON that
+                # add_report refuses before recording anything)
                 except (AttributeError, KeyError, OverflowError, TypeError, ValueError):
                     self.rec.unreadable_lines += 1
             # Every loader's latest row, summed (several loaders or processes): a loader that is
