@@ -44,6 +44,7 @@ import torch
 from arena.finalizers import on_death
 from shmloader import protocol as P
 from shmloader import rngstate
+from shmloader._torch_compat import ITERABLE_KIND
 from shmloader.dispatch import Dispatch
 from shmloader.ending import Ending
 from shmloader.host import ArenaHost
@@ -101,8 +102,9 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         self._safe = False
         self._rewind_keep = 0  # rewindable()
         # While a DevicePrefetcher holds batches unseen: the global RNGs before the sampler
-        # draw each consumed batch triggers (the state's main_rng, behind them).
+        # draw each consumed batch triggers (the state's rewound_rngs, behind them).
         self._rngs_before: deque[bytes] | None = None
+        self._rewound: deque[bytes | tuple[bytes, Any, int]] = deque()  # (NextBatch)
         self._reset(loader, first_iter=True)
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -120,6 +122,10 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         self._safe = False
 
     def _start_epoch(self, loader: torch.utils.data.DataLoader[Any], first_iter: bool) -> None:
+        if self._rewound:  # persistent workers: their stale tasks must be the saved run's
+            self._safe = False
+            self._draw_rewound()
+            self._safe = True
         plan, self._plan = self._plan, None
         if plan is None or not plan["in_epoch"]:
             plan = None
@@ -158,6 +164,9 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
             d.start_at(skip, plan.get("replicas") if plan else None)
             self._at = SamplerProgress(skip, plan["yielded_extra"] if plan else ())
             self._reset_unseen()  # until a DevicePrefetcher pass over this epoch registers
+            # The draws the saved run had made ahead of its save, behind a DevicePrefetcher,
+            # that this epoch's consumed batches make again (NextBatch._try_put_rewindable)
+            self._rewound = deque(plan.get("rewound_rngs") or ()) if plan else deque()
             if self._rewind_keep:  # a DevicePrefetcher's batches ahead: see rewindable()
                 self._at.log = deque(maxlen=self._rewind_keep)
                 self._progress.undo = deque(maxlen=self._rewind_keep)
@@ -167,17 +176,33 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
             self._leases.drain()
             for _ in range(d.max_tasks):  # torch primes the prefetch loop with this many attempts
                 self._try_put()
+            if self._rewound and self._dataset_kind != ITERABLE_KIND:
+                self._draw_ahead()  # (an IterableDataset's sampler draws nothing)
+
+    def _draw_rewound(self) -> None:
+        """Persistent workers' resumed epoch left before its consumed batches sent every task
+        the saved run had decided ahead of its save: sent now (drawn, where not drawn yet, each
+        from its own RNGs), so those workers fetch them as stale as that run's did, and their
+        random streams go on from where that run's went on (review 74). A draw the sampler
+        raises from is passed over, as that run's error was raised at its turn."""
+        while self._rewound:
+            try:
+                self._try_put_rewindable()
+            except Exception:  # noqa: BLE001  (raised to the saved run's user at its turn)
+                continue
 
     # -- resume state ---------------------------------------------------------------------------
 
     @one_thread("state_dict()")
     def resume_state(self) -> dict[str, Any] | None:
-        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), with
-        the main process's RNGs (``main_rng``), as of before the batches a consumer took and has
-        not handed out yet (``ahead``: a ``DevicePrefetcher``), which a resumed loader produces
-        again; None once the epoch is over and the workers are not kept (the loader records
-        that). Decided under the iterator's lock: a ``next()`` in another thread ends the epoch
-        either before or after it, never in between."""
+        """This iterator's part of ``DataLoader.state_dict()`` (see :mod:`shmloader.state`), as
+        of before the batches a consumer took and has not handed out yet (``ahead``: a
+        ``DevicePrefetcher``), which a resumed loader produces again, making the sampler draws
+        that taking them made from the global RNGs they started from (``rewound_rngs``), and
+        leaving the main process's RNGs as they are now (``main_rng``); None once the epoch is
+        over and the workers are not kept (the loader records that). Decided under the
+        iterator's lock: a ``next()`` in another thread ends the epoch either before or after
+        it, never in between."""
         d, behind = self._dispatch, self.ahead
         if self._epoch_over() and not self._persistent_workers:
             return None
@@ -222,11 +247,14 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
             "epoch_start": self.epoch_start.as_dict(),
             "workers": workers,
             "replicas": progress.replica_record(*d.assignment(back)),
-            # with batches behind, the sampler's later draws start where they did before the
-            # first of them
-            "main_rng": (
-                last_logged(self._rngs_before, behind)[0] if behind else rngstate.capture()
-            ),
+            "main_rng": rngstate.capture(),
+            # The draws the batches behind made, each made again from its own RNGs by a resumed
+            # loader (review 74: main_rng was set to before the first of them, so a loop's own
+            # draws since were lost, and a resumed epoch left at once left every later draw
+            # behind), and those a resumed epoch has yet to make again.
+            "rewound_rngs": (
+                last_logged(self._rngs_before, behind) if behind else []
+            ) + [r if type(r) is bytes else r[0] for r in self._rewound],
         }
 
     def rewindable(self, batches: int) -> None:

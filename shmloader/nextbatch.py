@@ -56,6 +56,9 @@ class NextBatch(_BaseDataLoaderIter):
     _progress: WorkerProgress  # the workers' resume records
     _at: SamplerProgress  # where the epoch's sampler stands
     _rngs_before: deque[bytes] | None  # global RNGs before each consumed batch's draw
+    # A resumed epoch's draws that the saved run had made ahead of its save: the RNGs each
+    # started from, or (those RNGs, the index drawn, its sampler position) once made again
+    _rewound: deque[bytes | tuple[bytes, Any, int]]
     _ending: Ending  # stops the workers, queues every slot for release (shmloader.ending)
     _pid: int  # the process the iterator belongs to
     _ended: bool  # the epoch has ended (StopIteration raised)
@@ -193,9 +196,11 @@ class NextBatch(_BaseDataLoaderIter):
             if not d.in_order:
                 self._at.consumed(info.seq)
             d.num_tasks[info.worker_id] -= 1
-            if self._rngs_before is not None:  # a DevicePrefetcher may ask for a state behind
-                self._rngs_before.append(rngstate.capture())
-            self._try_put()  # torch draws the next index before it hands this batch out
+            # torch draws the next index before it hands this batch out
+            if self._rngs_before is None and not self._rewound:
+                self._try_put()
+            else:  # a DevicePrefetcher may ask for a state behind, or a resumed one is
+                self._try_put_rewindable()
         except BaseException:  # the sampler raised (or Ctrl-C): torch drops the batch
             d.release(info.slots())
             raise
@@ -211,6 +216,58 @@ class NextBatch(_BaseDataLoaderIter):
             host.export.tick(host.snapshot)
         return host.pinner.pin(batch)
 
+    def _try_put_rewindable(self) -> None:
+        """:meth:`_try_put` for a consumed batch when the global RNGs it starts from matter to a
+        state: logged for a state saved behind a DevicePrefetcher (``rewound_rngs``); and for a
+        draw the saved run had made ahead of its save, the index :meth:`_draw_ahead` drew, or a
+        draw made now from the RNGs it started from, leaving the global RNGs as they are (the
+        saved run's draws since, the training loop's included, are in the state's ``main_rng``;
+        review 74). One entry per attempt, as the saved run logged them: an attempt the sampler
+        raises from uses its entry up too."""
+        rewound = self._rewound.popleft() if self._rewound else None
+        log = self._rngs_before
+        if isinstance(rewound, tuple):
+            rng, index, position = rewound
+            if log is not None:
+                log.append(rng)
+            self._put(index, position)
+            return
+        if log is not None:
+            log.append(rngstate.capture() if rewound is None else rewound)
+        if rewound is None:
+            self._try_put()
+            return
+        outer = rngstate.capture()
+        try:
+            rngstate.restore(rewound)
+            self._try_put()
+        finally:
+            rngstate.restore(outer)
+
+    def _draw_ahead(self) -> None:
+        """As a resumed epoch starts, right after the draws priming it: make again, each from the
+        RNGs it started from, the draws the saved run had made ahead of its save (``_rewound``),
+        and keep their indices for the consumed batches whose turn sends them. So the sampler
+        and its generators stand where the saved run's stood at its save even if this epoch is
+        left at once (review 74: a ``generator`` that a sampler draws from as it goes stayed
+        behind, and the next epoch's batches differed). From a draw the sampler ends or raises
+        at, the rest are made at their turns."""
+        pending, drawn = self._rewound, []
+        while pending and type(pending[0]) is bytes:
+            rng = pending[0]
+            assert type(rng) is bytes
+            outer = rngstate.capture()
+            try:
+                rngstate.restore(rng)
+                index = self._at.draw(self._next_index)
+            except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its turn)
+                break
+            finally:
+                rngstate.restore(outer)
+            pending.popleft()
+            drawn.append((rng, index, self._at.next - 1))
+        pending.extendleft(reversed(drawn))
+
     def _try_put(self) -> None:
         self._safe = True  # the sampler (user code): what it raises drops one index, as in torch
         try:
@@ -219,11 +276,15 @@ class NextBatch(_BaseDataLoaderIter):
             self._safe = False
             return
         self._safe = False
+        self._put(index, self._at.next - 1)
+
+    def _put(self, index: Any, position: int) -> None:
+        """Decide (and send) the task of the index drawn at sampler ``position``."""
         d = self._dispatch
         sent = d.tasks.sent
         d.put(index)
         if not d.in_order and d.tasks.sent != sent:  # the sampler position each task came from
-            self._at.of_seq.append(self._at.next - 1)
+            self._at.of_seq.append(position)
 
     def _fail(self, deaths: list[WorkerDeath]) -> None:
         first = deaths[0]

@@ -46,8 +46,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         # that a state saved behind them resumes from before their draws (rewindable()).
         self._rngs_before: deque[bytes] | None = None
         # A resumed epoch's fetches that a state saved behind a DevicePrefetcher rewound: the
-        # global RNGs before each, as they were in the saved run (resume_state()).
-        self._rewound: deque[bytes] = deque()
+        # global RNGs before each, as they were in the saved run (resume_state()); or, once its
+        # index is drawn again (_draw_ahead()), those RNGs, the index, and the RNGs after it.
+        self._rewound: deque[bytes | tuple[bytes, Any, bytes]] = deque()
+        self._drawn: tuple[Any] | None = None  # the index the next _next_index() returns
         resumed = plan is not None and plan["in_epoch"]
         replica = plan["replicas"]["workers"][0] if resumed and plan["replicas"] else None  # type: ignore[index]
         if replica is not None and "state" in replica:
@@ -77,6 +79,33 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         self._base_seed = plan["base_seed"]
         self._counted(loader, plan["yielded"])
         self._rewound = deque(plan.get("rewound_rngs") or ())
+        if self._dataset_kind != ITERABLE_KIND:  # (an IterableDataset's sampler draws nothing)
+            self._draw_ahead()
+
+    def _draw_ahead(self) -> None:
+        """As a resumed epoch starts: draw again, each from the RNGs it started from, the
+        indices of the fetches the saved run had made ahead of its save, and keep them, with
+        the RNGs after each draw, for those fetches. So the sampler and its generators stand
+        where the saved run's stood at its save even if this epoch is left at once (review 74:
+        a ``generator`` that a sampler draws from as it goes stayed behind, and the next
+        epoch's batches differed). From a draw the sampler ends or raises at, the rest are
+        made at their fetches."""
+        pending, drawn = self._rewound, []
+        while pending and type(pending[0]) is bytes:
+            rng = pending[0]
+            assert type(rng) is bytes
+            outer = rngstate.capture()
+            try:
+                rngstate.restore(rng)
+                index = super()._next_index()  # type: ignore[no-untyped-call]
+                after = rngstate.capture()
+            except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its fetch)
+                break
+            finally:
+                rngstate.restore(outer)
+            pending.popleft()
+            drawn.append((rng, index, after))
+        pending.extendleft(reversed(drawn))
 
     def _torch_init(self, loader: Any) -> None:
         """Torch's ``__init__``; its fetcher collates with :func:`private_default_collate` in
@@ -125,9 +154,13 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         self._ended = False
         self._consumed = 0
         self._rewound.clear()
+        self._drawn = None
 
     def _next_index(self) -> Any:
-        index = super()._next_index()  # type: ignore[no-untyped-call]
+        if self._drawn is not None:
+            (index,), self._drawn = self._drawn, None
+        else:
+            index = super()._next_index()  # type: ignore[no-untyped-call]
         self._consumed += 1
         return index
 
@@ -137,22 +170,30 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
     @one_thread("next()")
     def _next_data(self) -> Any:
         rewound = self._rewound.popleft() if self._rewound else None
-        outer = None
+        outer = before = None
         if rewound is not None:
             # A fetch the saved run had made ahead, behind a DevicePrefetcher: made again from
-            # the global RNGs it started from then, and leaving them as they are (the saved
-            # run's draws since, the training loop's included, are in the state's main_rng).
+            # the global RNGs it started from then (after its index, drawn again already), and
+            # leaving them as they are (the saved run's draws since, the training loop's
+            # included, are in the state's main_rng).
             outer = rngstate.capture()
-            rngstate.restore(rewound)
+            if isinstance(rewound, tuple):
+                before, index, after = rewound
+                self._drawn = (index,)
+                rngstate.restore(after)
+            else:
+                before = rewound
+                rngstate.restore(rewound)
         log = self._rngs_before
         if log is not None:
-            log.append(rngstate.capture() if rewound is None else rewound)
+            log.append(rngstate.capture() if before is None else before)
         drawn = self._consumed
         try:
             data = self._fetch_next()
         except BaseException:
             if rewound is not None and self._consumed == drawn:
                 self._rewound.appendleft(rewound)  # no batch came of it: the next fetch is it
+                self._drawn = None
             raise
         finally:
             if outer is not None:
@@ -215,7 +256,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             # wrong RNGs)
             "rewound_rngs": (
                 last_logged(self._rngs_before, behind) if behind else []
-            ) + list(self._rewound),
+            ) + [r if type(r) is bytes else r[0] for r in self._rewound],
         }
 
     def rewindable(self, batches: int) -> None:

@@ -25,13 +25,14 @@ data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads bac
                   (and ``ended``: True when it ran out inside the last of them);
                   the workers of the tasks in flight and torch's round-robin pointer
                   (``shmloader.progress``)
-    main_rng      the main process's torch / random / NumPy state at ``state_dict()``; with
-                  workers, behind a DevicePrefetcher, as of before the draws taking the batches
-                  it holds unseen (a sampler's; the resumed loader makes them again)
-    rewound_rngs  with ``num_workers=0``, behind a DevicePrefetcher: that state before each
-                  fetch of the batches it holds unseen, oldest first; the resumed loader makes
-                  each of those fetches again from its state, leaving the global RNGs as they
-                  are (absent from states saved before it was added: [])
+    main_rng      the main process's torch / random / NumPy state at ``state_dict()``
+    rewound_rngs  mid-epoch behind a DevicePrefetcher: that state before each draw the saved
+                  run had made ahead of the batch the user had, oldest first, which the resumed
+                  loader makes again, each from its state, leaving the global RNGs as they are:
+                  with ``num_workers=0`` each fetch of the batches the prefetcher holds unseen;
+                  with workers, the sampler draw that taking each of them made (states saved
+                  before this key: [], and with workers ``main_rng`` was then as of before the
+                  first of those draws, which a resumed loader made from it one after another)
 
 Invariant: resuming from a state yields, bit for bit, the batches an uninterrupted run yields
 after the save point (``in_order=True``); the epoch's sampler draws are replayed from
@@ -261,8 +262,8 @@ def _check_types(sd: dict[str, Any]) -> None:
         type(r) is not bytes or len(r) != SNAPSHOT for r in rewound
     ):
         raise bad("rewound_rngs", f"a list of {SNAPSHOT}-byte snapshots")
-    if rewound and (sd["workers"] or not sd["in_epoch"]):
-        raise bad("rewound_rngs", "empty but mid-epoch with num_workers=0")
+    if rewound and not sd["in_epoch"]:
+        raise bad("rewound_rngs", "empty between epochs")
     es = sd["epoch_start"]
     if not isinstance(es, dict) or type(es.get("torch_rng")) is not bytes:
         raise bad("epoch_start", "a dict with torch_rng bytes")

@@ -1196,3 +1196,124 @@ def test_tasks_of_an_ended_replica_in_flight_resume_with_any_prefetch_factor() -
         resumed = resumed_run(lambda p=prefetch: make(p), state, 2)  # type: ignore[misc]
         assert resumed == full[save_after:], (prefetch, state["replicas"])
 
+
+
+def _with_workers(persistent: bool, lazy: bool) -> Callable[[], DataLoader[Any]]:
+    order: dict[str, Any] = {"sampler": LazyDraws()} if lazy else {"shuffle": True}
+    return lambda: DataLoader(Augment(), batch_size=2, num_workers=2, timeout=TIMEOUT,
+                              persistent_workers=persistent, **order)  # fmt: skip
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["2 workers", "persistent"])
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
+def test_with_workers_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_the_loop(
+    depth: int, leaves: bool, persistent: bool
+) -> None:
+    """Review 74: with workers, the state behind a DevicePrefetcher set the global RNGs to
+    before the sampler draws that taking the held batches made, so the draws a training loop
+    made since were lost: its next steps drew other numbers, and the next epochs' shuffles
+    (seeded from the global RNG) differed. The state now keeps the global RNGs as at the save,
+    and the resumed loader makes those draws again from the RNGs they started from."""
+    make = _with_workers(persistent, lazy=False)
+    first = 5 if leaves else None
+    seed_all(0)
+    seen, state = _train(make(), depth, [first, None, None], save_after=5)
+    assert state is not None and state["in_epoch"] and len(state["rewound_rngs"]) > 0
+    seed_all(12345)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _train(resumed, depth, [0 if leaves else None, None, None])
+    assert got == seen[5:]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
+def test_with_workers_a_global_rng_sampler_behind_a_prefetcher_resumes_its_later_epochs(
+    depth: int, leaves: bool
+) -> None:
+    """Review 74: a sampler drawing from the global ``random`` as it goes, with workers behind a
+    DevicePrefetcher, and an epoch left at the save: the resumed epoch, left at once, never
+    made again the draws the state rewound, so every later epoch drew behind the saved run's."""
+    make = _with_workers(persistent=False, lazy=True)
+    first = 5 if leaves else None
+    seed_all(0)
+    seen, state = _train(make(), depth, [first, None, None], save_after=5, draws=False)
+    assert state is not None
+    seed_all(12345)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _train(resumed, depth, [0 if leaves else None, None, None], draws=False)
+    assert got == seen[5:]
+
+
+@pytest.mark.parametrize("depth", [None, 1, 3])
+def test_with_workers_a_state_saved_before_a_resumed_epoch_remade_its_draws_keeps_them(
+    depth: int | None,
+) -> None:
+    """Review 74 (as review 62 found without workers): a state saved in a resumed epoch before
+    it had made again every draw the first state rewound keeps the rest, so a second resume
+    draws them from the saved run's RNGs too."""
+    make = _with_workers(persistent=False, lazy=True)
+    seed_all(0)
+    seen, first = _train(make(), 3, [None, None], save_after=5, draws=False)
+    assert first is not None and len(first["rewound_rngs"]) > 2
+    seed_all(1)
+    once = make()
+    once.load_state_dict(first)
+    got, second = _train(once, depth, [None, None], save_after=1, draws=False)
+    assert got == seen[5:] and second is not None
+    seed_all(2)
+    twice = make()
+    twice.load_state_dict(second)
+    again, _ = _train(twice, depth, [None, None], draws=False)
+    assert again == seen[6:]
+
+
+def _epochs_of_a_loop(loader: DataLoader[Any], depth: int, steps: list[int | None],
+                      save_after: int = 0) -> tuple[list[bytes], dict[str, Any] | None]:
+    """Epochs of ``for batch in DevicePrefetcher(loader): ...`` (the prefetcher, and with it the
+    loader's iterator, dropped when a step limit leaves the epoch); as :func:`_train`."""
+    seen: list[bytes] = []
+    state = None
+    for limit in steps:
+        if limit == 0:  # the loop's iter(), and no step
+            iter(DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
+            continue
+        prefetcher = DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine())
+        for taken, batch in enumerate(prefetcher, 1):
+            seen.append(batch_bytes(batch))
+            if len(seen) == save_after:
+                state = roundtrip(loader.state_dict())
+            if taken == limit:
+                break
+    return seen, state
+
+
+@pytest.mark.parametrize("save_after", [12, 13, 15])
+@pytest.mark.parametrize("workers", [0, 2, "persistent"])
+def test_a_sampler_drawing_from_its_generator_as_it_goes_resumes_the_epochs_after_a_save_left(
+    workers: int | str, save_after: int
+) -> None:
+    """Review 74: ``RandomSampler(replacement=True, generator=g)`` draws 32 indices at a time
+    from ``g`` as the epoch goes on. Behind a DevicePrefetcher the saved run had drawn past the
+    batch the user had; a resumed epoch left at once never drew those again, so ``g`` (which
+    the next epochs draw from) stayed behind, and every later batch differed. The resumed
+    epoch now draws them again as it starts."""
+    def make() -> DataLoader[Any]:
+        data = Augment()
+        sampler = RandomSampler(data, replacement=True, num_samples=96,
+                                generator=torch.Generator().manual_seed(7))
+        if workers == 0:
+            return DataLoader(data, batch_size=2, sampler=sampler)
+        return DataLoader(data, batch_size=2, sampler=sampler, num_workers=2, timeout=TIMEOUT,
+                          persistent_workers=workers == "persistent")
+
+    seed_all(0)
+    seen, state = _epochs_of_a_loop(make(), 3, [save_after, None, None], save_after)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(12345)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _epochs_of_a_loop(resumed, 3, [0, None, None])
+    assert got == seen[save_after:]
