@@ -155,8 +155,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         call left it."""
         with self._one_at_a_time("state_dict()"):
             it = self._current()
-            if self._plan is not None:
-                body: dict[str, Any] | None = {k: self._plan[k] for k in S.ITER_KEYS}
+            if self._plan is not None:  # loaded, not iterated yet: the state it loaded
+                body: dict[str, Any] | None = {
+                    **{k: self._plan[k] for k in S.ITER_KEYS},
+                    # and the draws it has yet to make again (review 74)
+                    "rewound_rngs": list(self._plan.get("rewound_rngs") or ()),
+                }
             else:
                 self._check_not_inherited_mid_epoch()
                 # The iterator decides under its own lock whether its epoch is over (a next()

@@ -22,8 +22,11 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import time
+import traceback
 from collections import deque
 from typing import Any
 
@@ -39,6 +42,24 @@ from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress, WorkerProgress
 from shmloader.reorder import TaskInfo
 from shmloader.supervisor import Supervisor, WorkerDeath
+
+
+class SamplerRaised:
+    """What the sampler raised at a draw :meth:`NextBatch._draw_ahead` made again: raised at
+    that draw's turn, as the saved run's was. Its traceback keeps the sampler's frames, their
+    locals cleared (they held the iterator: a cycle that kept it, its workers and slabs alive
+    until a collection)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        tb = error.__traceback__
+        tb = tb.tb_next if tb is not None else None  # not _draw_ahead's own frame, still running
+        if tb is not None:
+            with contextlib.suppress(RuntimeError):  # (a frame still running keeps its locals)
+                traceback.clear_frames(tb)
+        self.error = error.with_traceback(tb)
+
 
 # A tuple: `P.Ready | P.Failed` would build a union per frame. DROPPED answers only a task the
 # main process denied (the worker acknowledges the DENY, its RNG snapshot published).
@@ -230,6 +251,9 @@ class NextBatch(_BaseDataLoaderIter):
             rng, index, position = rewound
             if log is not None:
                 log.append(rng)
+            if type(index) is SamplerRaised:
+                self._safe = True  # as the sampler's own raise in _try_put: drops this batch
+                raise index.error
             self._put(index, position)
             return
         if log is not None:
@@ -250,22 +274,29 @@ class NextBatch(_BaseDataLoaderIter):
         and keep their indices for the consumed batches whose turn sends them. So the sampler
         and its generators stand where the saved run's stood at its save even if this epoch is
         left at once (review 74: a ``generator`` that a sampler draws from as it goes stayed
-        behind, and the next epoch's batches differed). From a draw the sampler ends or raises
-        at, the rest are made at their turns."""
-        pending, drawn = self._rewound, []
+        behind, and the next epoch's batches differed). Each index is kept as a copy (a batch
+        sampler may refill the list it yielded at its next draw: review 74). What the sampler
+        raises at a draw is raised at that draw's turn (:class:`SamplerRaised`); from a draw
+        the sampler raises or ends at, the rest are made at their turns."""
+        pending: deque[Any] = self._rewound
+        drawn: list[tuple[bytes, Any, int]] = []
         while pending and type(pending[0]) is bytes:
             rng = pending[0]
-            assert type(rng) is bytes
             outer = rngstate.capture()
             try:
                 rngstate.restore(rng)
                 index = self._at.draw(self._next_index)
-            except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its turn)
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001  (the sampler's: raised at its turn)
+                pending.popleft()
+                drawn.append((rng, SamplerRaised(e), self._at.next - 1))
                 break
             finally:
                 rngstate.restore(outer)
             pending.popleft()
-            drawn.append((rng, index, self._at.next - 1))
+            kept = index if type(index) is P.PackedIndices else copy.deepcopy(index)
+            drawn.append((rng, kept, self._at.next - 1))
         pending.extendleft(reversed(drawn))
 
     def _try_put(self) -> None:

@@ -88,12 +88,14 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         the RNGs after each draw, for those fetches. So the sampler and its generators stand
         where the saved run's stood at its save even if this epoch is left at once (review 74:
         a ``generator`` that a sampler draws from as it goes stayed behind, and the next
-        epoch's batches differed). From a draw the sampler ends or raises at, the rest are
-        made at their fetches."""
-        pending, drawn = self._rewound, []
+        epoch's batches differed). Each index is kept as a copy (a batch sampler may refill
+        the list it yielded at its next draw: review 74). From a draw the sampler ends or
+        raises at, the rest are made at their fetches (a sampler's error is never among them:
+        a fetch it raises from draws nothing, so the saved run logged none for it)."""
+        pending: deque[Any] = self._rewound
+        drawn: list[tuple[bytes, Any, bytes]] = []
         while pending and type(pending[0]) is bytes:
             rng = pending[0]
-            assert type(rng) is bytes
             outer = rngstate.capture()
             try:
                 rngstate.restore(rng)
@@ -104,7 +106,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             finally:
                 rngstate.restore(outer)
             pending.popleft()
-            drawn.append((rng, index, after))
+            drawn.append((rng, copy.deepcopy(index), after))
         pending.extendleft(reversed(drawn))
 
     def _torch_init(self, loader: Any) -> None:

@@ -1317,3 +1317,119 @@ def test_a_sampler_drawing_from_its_generator_as_it_goes_resumes_the_epochs_afte
     resumed.load_state_dict(state)
     got, _ = _epochs_of_a_loop(resumed, 3, [0, None, None])
     assert got == seen[save_after:]
+
+
+class RaisesAt(Sampler[int]):
+    """Yields 0, 1, ... and raises at index ``at`` (a generator: it ends there)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(N):
+            if i == self.at:
+                raise ValueError(f"sampler failed at {i}")
+            yield i
+
+
+def _outcomes(batches: Iterator[Any]) -> list[bytes | str]:
+    """Every batch, and every error in its place, until the end."""
+    out: list[bytes | str] = []
+    while True:
+        try:
+            out.append(batch_bytes(next(batches)))
+        except StopIteration:
+            return out
+        except ValueError as e:
+            out.append(str(e))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_sampler_error_the_saved_run_had_drawn_ahead_is_raised_at_its_turn(depth: int) -> None:
+    """Review 74 (of the draws a resumed epoch makes again at once): the draw the sampler raised
+    at, made ahead of the user's batch in the saved run, raised during the resumed iter(); the
+    error was dropped there, and the resumed run yielded a batch in its place."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, sampler=RaisesAt(16), num_workers=2,
+                          timeout=TIMEOUT)
+
+    seed_all(0)
+    loader = make()
+    batches = iter(DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
+    seen = [batch_bytes(next(batches)) for _ in range(3)]
+    state = roundtrip(loader.state_dict())
+    seen += _outcomes(batches)
+    assert "sampler failed at 16" in seen[3:]
+    seed_all(5)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = _outcomes(iter(DevicePrefetcher(resumed, "cuda", depth=depth, engine=CloningEngine())))
+    assert got == seen[3:]
+
+
+@pytest.mark.parametrize("case", ["0 workers", "2 workers, lazy global sampler"])
+def test_a_state_saved_again_before_the_first_iter_keeps_the_draws_to_make_again(
+    case: str,
+) -> None:
+    """Review 74: a loader that had loaded a state saved behind a DevicePrefetcher, saved again
+    before its first iter() (a checkpoint right after restoring), wrote no rewound_rngs, so a
+    loader resumed from that made those draws from the wrong RNGs."""
+    def make() -> DataLoader[Any]:
+        if case == "0 workers":
+            return DataLoader(Augment(), batch_size=2, shuffle=True)
+        return DataLoader(Augment(), batch_size=2, sampler=LazyDraws(), num_workers=2,
+                          timeout=TIMEOUT)
+
+    seed_all(0)
+    seen, state = _train(make(), 1, [None, None], save_after=5, draws=False)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(1)
+    loaded = make()
+    loaded.load_state_dict(state)
+    again = roundtrip(loaded.state_dict())
+    assert again["rewound_rngs"] == state["rewound_rngs"]
+    seed_all(2)
+    resumed = make()
+    resumed.load_state_dict(again)
+    got, _ = _train(resumed, 1, [None, None], draws=False)
+    assert got == seen[5:]
+
+
+class RefillingBatches(Sampler[list[int]]):
+    """A batch sampler that yields one list, refilled in place at each draw (safe in torch with
+    num_workers=0: each batch is fetched before the next draw)."""
+
+    def __len__(self) -> int:
+        return N // 2
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch = [0, 0]
+        order = torch.randperm(N).tolist()
+        for i in range(0, N, 2):
+            batch[0], batch[1] = order[i], order[i + 1]
+            yield batch
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_sampler_refilling_its_list_resumes_behind_a_prefetcher(
+    workers: int, depth: int
+) -> None:
+    """Review 74: the indices a resumed epoch draws again at once were kept as the objects the
+    sampler yielded, so a list it refilled at its next draw left every one of them holding the
+    last draw's indices."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_sampler=RefillingBatches(), num_workers=workers,
+                          timeout=TIMEOUT if workers else 0)
+
+    seed_all(0)
+    seen, state = _train(make(), depth, [None, None], save_after=5, draws=False)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _train(resumed, depth, [None, None], draws=False)
+    assert got == seen[5:]
