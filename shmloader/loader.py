@@ -104,6 +104,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _get_iterator(self) -> Any:
         plan, self._plan = self._plan, None
+        started = self._epochs_started
         try:
             if self.num_workers == 0:
                 it: Any = SingleProcessIter(self, plan)
@@ -114,6 +115,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             raise  # a state this loader cannot resume from: the next iter() starts afresh
         except BaseException:
             self._plan = plan  # no batch came from it: the next iter() resumes from the state
+            self._epochs_started = started  # ... and counts that epoch then (review 75)
             raise
         self._live = weakref.ref(it)
         if self._consumer_holds > 1:

@@ -22,8 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 import time
 import traceback
@@ -38,27 +36,31 @@ from shmloader.ending import Ending
 from shmloader.host import ArenaHost
 from shmloader.interrupts import DESIGNED, touched_the_books, unusable_after
 from shmloader.lease import Leases
+from shmloader.notes import add_note
 from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress, WorkerProgress
 from shmloader.reorder import TaskInfo
+from shmloader.sampling import kept_copy
 from shmloader.supervisor import Supervisor, WorkerDeath
 
 
 class SamplerRaised:
     """What the sampler raised at a draw :meth:`NextBatch._draw_ahead` made again: raised at
-    that draw's turn, as the saved run's was. Its traceback keeps the sampler's frames, their
-    locals cleared (they held the iterator: a cycle that kept it, its workers and slabs alive
-    until a collection)."""
+    that draw's turn, as the saved run's was. It keeps no frame: any frame of the draw leads
+    (``f_back``) to the iterator's own, so the error kept it, its workers and its slots alive
+    until a collection (review 75). Where the sampler raised it is kept as text, in a note."""
 
     __slots__ = ("error",)
 
     def __init__(self, error: Exception) -> None:
-        tb = error.__traceback__
-        tb = tb.tb_next if tb is not None else None  # not _draw_ahead's own frame, still running
-        if tb is not None:
-            with contextlib.suppress(RuntimeError):  # (a frame still running keeps its locals)
-                traceback.clear_frames(tb)
-        self.error = error.with_traceback(tb)
+        where = "".join(traceback.format_exception(error))
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+        add_note(
+            error,
+            "(raised by the sampler when the resumed epoch drew again, as it began, the indices "
+            f"the saved run had drawn ahead of its save:)\n{where.rstrip()}",
+        )
+        self.error = error
 
 
 # A tuple: `P.Ready | P.Failed` would build a union per frame. DROPPED answers only a task the
@@ -252,8 +254,13 @@ class NextBatch(_BaseDataLoaderIter):
             if log is not None:
                 log.append(rng)
             if type(index) is SamplerRaised:
+                error = index.error
+                rewound = index = None  # no local of this frame holds the error: no cycle
                 self._safe = True  # as the sampler's own raise in _try_put: drops this batch
-                raise index.error
+                try:
+                    raise error
+                finally:
+                    del error
             self._put(index, position)
             return
         if log is not None:
@@ -274,8 +281,9 @@ class NextBatch(_BaseDataLoaderIter):
         and keep their indices for the consumed batches whose turn sends them. So the sampler
         and its generators stand where the saved run's stood at its save even if this epoch is
         left at once (review 74: a ``generator`` that a sampler draws from as it goes stayed
-        behind, and the next epoch's batches differed). Each index is kept as a copy (a batch
-        sampler may refill the list it yielded at its next draw: review 74). What the sampler
+        behind, and the next epoch's batches differed). Each index is kept as
+        :func:`~shmloader.sampling.kept_copy` gives it (a batch sampler may refill the list it
+        yielded at its next draw: review 74). What the sampler
         raises at a draw is raised at that draw's turn (:class:`SamplerRaised`); from a draw
         the sampler raises or ends at, the rest are made at their turns."""
         pending: deque[Any] = self._rewound
@@ -295,8 +303,7 @@ class NextBatch(_BaseDataLoaderIter):
             finally:
                 rngstate.restore(outer)
             pending.popleft()
-            kept = index if type(index) is P.PackedIndices else copy.deepcopy(index)
-            drawn.append((rng, kept, self._at.next - 1))
+            drawn.append((rng, kept_copy(index), self._at.next - 1))
         pending.extendleft(reversed(drawn))
 
     def _try_put(self) -> None:
@@ -307,7 +314,12 @@ class NextBatch(_BaseDataLoaderIter):
             self._safe = False
             return
         self._safe = False
-        self._put(index, self._at.next - 1)
+        # (_put's lines, not a call to it: one call less on every batch's path)
+        d = self._dispatch
+        sent = d.tasks.sent
+        d.put(index)
+        if not d.in_order and d.tasks.sent != sent:  # the sampler position each task came from
+            self._at.of_seq.append(self._at.next - 1)
 
     def _put(self, index: Any, position: int) -> None:
         """Decide (and send) the task of the index drawn at sampler ``position``."""

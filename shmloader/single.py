@@ -25,6 +25,7 @@ from shmloader._torch_compat import ITERABLE_KIND
 from shmloader.collate import private_default_collate
 from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import last_logged
+from shmloader.sampling import kept_copy
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
 from shmloader.unseen import HeldUnseen
 
@@ -88,10 +89,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         the RNGs after each draw, for those fetches. So the sampler and its generators stand
         where the saved run's stood at its save even if this epoch is left at once (review 74:
         a ``generator`` that a sampler draws from as it goes stayed behind, and the next
-        epoch's batches differed). Each index is kept as a copy (a batch sampler may refill
-        the list it yielded at its next draw: review 74). From a draw the sampler ends or
-        raises at, the rest are made at their fetches (a sampler's error is never among them:
-        a fetch it raises from draws nothing, so the saved run logged none for it)."""
+        epoch's batches differed). Each index is kept as :func:`~shmloader.sampling.kept_copy`
+        gives it (a batch sampler may refill the list it yielded at its next draw: review 74).
+        From a draw the sampler ends or raises at, the rest are made at their fetches (a
+        sampler's error is never among them: a fetch it raises from draws nothing, so the
+        saved run logged none for it)."""
         pending: deque[Any] = self._rewound
         drawn: list[tuple[bytes, Any, bytes]] = []
         while pending and type(pending[0]) is bytes:
@@ -106,7 +108,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             finally:
                 rngstate.restore(outer)
             pending.popleft()
-            drawn.append((rng, copy.deepcopy(index), after))
+            drawn.append((rng, kept_copy(index), after))
         pending.extendleft(reversed(drawn))
 
     def _torch_init(self, loader: Any) -> None:

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -1433,3 +1434,139 @@ def test_a_batch_sampler_refilling_its_list_resumes_behind_a_prefetcher(
     resumed.load_state_dict(state)
     got, _ = _train(resumed, depth, [None, None], draws=False)
     assert got == seen[5:]
+
+
+def _raised_then_resumed(depth: int) -> tuple[DataLoader[Any], list[bytes | str]]:
+    """A 2-worker loader over a sampler that raises at index 16, saved behind a prefetcher of
+    ``depth`` after 3 batches (the raising draw among those made ahead of the save), and a
+    loader that loaded that state; and what the saved run yielded after the save."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, sampler=RaisesAt(16), num_workers=2,
+                          timeout=TIMEOUT)
+
+    seed_all(0)
+    loader = make()
+    batches = iter(DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
+    seen = [batch_bytes(next(batches)) for _ in range(3)]
+    state = roundtrip(loader.state_dict())
+    seen += _outcomes(batches)
+    resumed = make()
+    resumed.load_state_dict(state)
+    return resumed, seen[3:]
+
+
+@pytest.mark.parametrize("when", ["left at once", "after the error"])
+def test_a_sampler_error_drawn_again_keeps_no_cycle_to_the_iterator(when: str) -> None:
+    """Review 75: the sampler's error that a resumed epoch drew again at once kept its
+    traceback, whose frames lead back to the iterator's own: a cycle that kept the dropped
+    iterator, its workers and its slots alive until a garbage collection. Without one, the
+    iterator goes with its last reference; the error still says where the sampler raised."""
+    resumed, _ = _raised_then_resumed(2)
+    gc.collect()
+    gc.disable()
+    try:
+        it = iter(resumed)
+        if when == "after the error":
+            with pytest.raises(ValueError, match="sampler failed at 16") as raised:
+                while True:
+                    next(it)
+            notes = "".join(getattr(raised.value, "__notes__", []))
+            assert "in __iter__" in notes and "sampler failed at 16" in notes
+            del raised
+        gone = weakref.ref(it)
+        del it
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+class ByKey(Dataset):  # type: ignore[type-arg]
+    """Samples looked up by index objects that hash by identity, some holding a lock (torch
+    hands a sampler's indices to the dataset as they are with num_workers=0)."""
+
+    def __init__(self) -> None:
+        self.keys = [Handle(i) for i in range(N)]
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, key: Handle) -> torch.Tensor:
+        with key.lock:
+            return torch.tensor([float(self.keys.index(key)), torch.rand(()).item()])
+
+
+class Handle:
+    def __init__(self, i: int) -> None:
+        self.i = i
+        self.lock = threading.Lock()  # (cannot be copied)
+
+
+class HandleSampler(Sampler[Handle]):
+    def __init__(self, keys: list[Handle]) -> None:
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[Handle]:
+        for j in torch.randperm(N).tolist():
+            yield self.keys[j]
+
+
+def test_index_objects_keep_their_identity_when_a_resumed_epoch_draws_them_again() -> None:
+    """Review 75: the indices a resumed epoch drew again at once were deep copies, so index
+    objects that hash by identity missed the dataset's keys, and one holding a lock made every
+    iter() of the loader fail."""
+    def make() -> DataLoader[Any]:
+        data = ByKey()
+        return DataLoader(data, batch_size=2, sampler=HandleSampler(data.keys))
+
+    seed_all(0)
+    seen, state = _train(make(), 3, [None, None], save_after=5, draws=False)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _train(resumed, 3, [None, None], draws=False)
+    assert got == seen[5:]
+
+
+class InterruptedOnce(Sampler[list[int]]):
+    """A batch sampler whose batch ``at`` raises KeyboardInterrupt once (Ctrl-C in its draw)."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None
+
+    def __len__(self) -> int:
+        return N // 2
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(N).tolist()
+        for b in range(N // 2):
+            if self.at == b:
+                self.at = None
+                raise KeyboardInterrupt
+            yield order[2 * b : 2 * b + 2]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_iter_cut_short_counts_its_epoch_once(workers: int) -> None:
+    """Review 75: a Ctrl-C in the sampler's draws of a resumed iter() (the indices drawn again
+    at once, or with workers the first tasks') left the loader's epoch count one ahead: the
+    next iter() resumed the right batches, but a state saved then named the next epoch."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_sampler=InterruptedOnce(), num_workers=workers,
+                          timeout=TIMEOUT if workers else 0)
+
+    seed_all(0)
+    seen, state = _train(make(), 3, [None, None], save_after=5, draws=False)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    resumed.batch_sampler.at = state["yielded"] + 1  # type: ignore[union-attr]
+    with pytest.raises(KeyboardInterrupt):
+        iter(resumed)
+    got, again = _train(resumed, 3, [None, None], save_after=1, draws=False)
+    assert got == seen[5:]
+    assert again is not None and again["epoch"] == state["epoch"]
