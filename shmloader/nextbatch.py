@@ -268,12 +268,8 @@ class NextBatch(_BaseDataLoaderIter):
         if rewound is None:
             self._try_put()
             return
-        outer = rngstate.capture()
-        try:
-            rngstate.restore(rewound)
+        with rngstate.set_to(rewound):
             self._try_put()
-        finally:
-            rngstate.restore(outer)
 
     def _draw_ahead(self) -> None:
         """As a resumed epoch starts, right after the draws priming it: make again, each from the
@@ -283,25 +279,22 @@ class NextBatch(_BaseDataLoaderIter):
         left at once (review 74: a ``generator`` that a sampler draws from as it goes stayed
         behind, and the next epoch's batches differed). Each index is kept as
         :func:`~shmloader.sampling.kept_copy` gives it (a batch sampler may refill the list it
-        yielded at its next draw: review 74). What the sampler
-        raises at a draw is raised at that draw's turn (:class:`SamplerRaised`); from a draw
-        the sampler raises or ends at, the rest are made at their turns."""
+        yielded at its next draw: review 74). What the sampler raises at a draw is raised at
+        that draw's turn (:class:`SamplerRaised`); from a draw the sampler raises or ends at,
+        the rest are made at their turns."""
         pending: deque[Any] = self._rewound
         drawn: list[tuple[bytes, Any, int]] = []
         while pending and type(pending[0]) is bytes:
             rng = pending[0]
-            outer = rngstate.capture()
             try:
-                rngstate.restore(rng)
-                index = self._at.draw(self._next_index)
+                with rngstate.set_to(rng):
+                    index = self._at.draw(self._next_index)
             except StopIteration:
                 break
             except Exception as e:  # noqa: BLE001  (the sampler's: raised at its turn)
                 pending.popleft()
                 drawn.append((rng, SamplerRaised(e), self._at.next - 1))
                 break
-            finally:
-                rngstate.restore(outer)
             pending.popleft()
             drawn.append((rng, kept_copy(index), self._at.next - 1))
         pending.extendleft(reversed(drawn))

@@ -35,9 +35,11 @@ numbers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 import struct
+from collections.abc import Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -172,6 +174,19 @@ def restore(snapshot: bytes) -> None:
     random.setstate((3, (*struct.unpack("<624I", key), index), gauss if has else None))
     nkey, pos, nhas, ngauss = _NP.unpack_from(snapshot, _NP_AT)
     np.random.set_state(("MT19937", np.frombuffer(nkey, dtype="<u4"), pos, nhas, ngauss))
+
+
+@contextlib.contextmanager
+def set_to(snapshot: bytes) -> Iterator[None]:
+    """Inside: this process's torch, ``random`` and NumPy states set from ``snapshot``; after,
+    however it ends, put back as they were (a draw made again from a saved run's RNGs that
+    leaves this run's as they are)."""
+    outer = capture()
+    try:
+        restore(snapshot)
+        yield
+    finally:
+        restore(outer)
 
 
 class RngRing:

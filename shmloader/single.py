@@ -98,15 +98,12 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         drawn: list[tuple[bytes, Any, bytes]] = []
         while pending and type(pending[0]) is bytes:
             rng = pending[0]
-            outer = rngstate.capture()
             try:
-                rngstate.restore(rng)
-                index = super()._next_index()  # type: ignore[no-untyped-call]
-                after = rngstate.capture()
+                with rngstate.set_to(rng):
+                    index = super()._next_index()  # type: ignore[no-untyped-call]
+                    after = rngstate.capture()
             except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its fetch)
                 break
-            finally:
-                rngstate.restore(outer)
             pending.popleft()
             drawn.append((rng, kept_copy(index), after))
         pending.extendleft(reversed(drawn))

@@ -558,21 +558,23 @@ def _train(loader: DataLoader[Any], depth: int | None, steps: list[int | None],
     return seen, state
 
 
+@pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent"])
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
-def test_without_workers_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_the_loop(
-    depth: int, leaves: bool
+def test_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_the_loop(
+    depth: int, leaves: bool, case: str
 ) -> None:
     """Review 61: with num_workers=0 the state behind a DevicePrefetcher set the global RNGs to
     before the fetches it rewound, and a resumed run made them again one after another. A
     resumed epoch left at once (a step limit the save fell on) never made them, and every later
     draw was behind the uninterrupted run's; a training loop drawing between steps saw other
-    numbers, and the fetches made again drew after none of its draws. Each fetch made again now
-    starts from the RNGs it started from in the saved run, and leaves the global ones as the
-    saved run had them at the save."""
-    def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_size=2, shuffle=True)
-
+    numbers, and the fetches made again drew after none of its draws. Review 74: with workers
+    it set them to before the sampler draws that taking the held batches made, so the loop's
+    draws since were lost (and the next epochs' shuffles, seeded from the global RNG, differed),
+    and persistent workers whose resumed epoch was left at once fetched fewer stale tasks than
+    the saved run's. Each draw (or fetch) made again now starts from the RNGs it started from
+    in the saved run, and leaves the global ones as the saved run had them at the save."""
+    make = PREFETCHED[case]
     first = 5 if leaves else None
     seed_all(0)
     seen, state = _train(make(), depth, [first, None, None], save_after=5)
@@ -585,17 +587,17 @@ def test_without_workers_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_
     assert got == seen[5:]
 
 
+@pytest.mark.parametrize("case", ["0 workers", "lazy global sampler"])
 @pytest.mark.parametrize("depth", [None, 1, 3])
-def test_without_workers_a_state_saved_before_a_resumed_epoch_remade_its_fetches_keeps_them(
-    depth: int | None,
+def test_a_state_saved_before_a_resumed_epoch_remade_its_draws_keeps_them(
+    depth: int | None, case: str
 ) -> None:
     """Review 62: a state saved in a resumed epoch before it had made again every fetch the
     first state rewound (its loop without a prefetcher, or with a shallower one) lost the rest,
-    and a second resume fetched those batches from the wrong RNGs. (The loop draws nothing: a
-    prefetcher of another depth takes batches at other points between its draws.)"""
-    def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_size=2, shuffle=True)
-
+    and a second resume fetched those batches from the wrong RNGs; review 74: the same with
+    workers, for the sampler draws. (The loop draws nothing: a prefetcher of another depth
+    takes batches at other points between its draws.)"""
+    make = PREFETCHED[case]
     seed_all(0)
     seen, first = _train(make(), 3, [None, None], save_after=5, draws=False)
     assert first is not None and len(first["rewound_rngs"]) > 2
@@ -1198,36 +1200,6 @@ def test_tasks_of_an_ended_replica_in_flight_resume_with_any_prefetch_factor() -
         assert resumed == full[save_after:], (prefetch, state["replicas"])
 
 
-
-def _with_workers(persistent: bool, lazy: bool) -> Callable[[], DataLoader[Any]]:
-    order: dict[str, Any] = {"sampler": LazyDraws()} if lazy else {"shuffle": True}
-    return lambda: DataLoader(Augment(), batch_size=2, num_workers=2, timeout=TIMEOUT,
-                              persistent_workers=persistent, **order)  # fmt: skip
-
-
-@pytest.mark.parametrize("persistent", [False, True], ids=["2 workers", "persistent"])
-@pytest.mark.parametrize("depth", [1, 3])
-@pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
-def test_with_workers_a_state_behind_a_prefetcher_resumes_the_global_rngs_of_the_loop(
-    depth: int, leaves: bool, persistent: bool
-) -> None:
-    """Review 74: with workers, the state behind a DevicePrefetcher set the global RNGs to
-    before the sampler draws that taking the held batches made, so the draws a training loop
-    made since were lost: its next steps drew other numbers, and the next epochs' shuffles
-    (seeded from the global RNG) differed. The state now keeps the global RNGs as at the save,
-    and the resumed loader makes those draws again from the RNGs they started from."""
-    make = _with_workers(persistent, lazy=False)
-    first = 5 if leaves else None
-    seed_all(0)
-    seen, state = _train(make(), depth, [first, None, None], save_after=5)
-    assert state is not None and state["in_epoch"] and len(state["rewound_rngs"]) > 0
-    seed_all(12345)
-    resumed = make()
-    resumed.load_state_dict(state)
-    got, _ = _train(resumed, depth, [0 if leaves else None, None, None])
-    assert got == seen[5:]
-
-
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
 def test_with_workers_a_global_rng_sampler_behind_a_prefetcher_resumes_its_later_epochs(
@@ -1236,7 +1208,7 @@ def test_with_workers_a_global_rng_sampler_behind_a_prefetcher_resumes_its_later
     """Review 74: a sampler drawing from the global ``random`` as it goes, with workers behind a
     DevicePrefetcher, and an epoch left at the save: the resumed epoch, left at once, never
     made again the draws the state rewound, so every later epoch drew behind the saved run's."""
-    make = _with_workers(persistent=False, lazy=True)
+    make = PREFETCHED["lazy global sampler"]
     first = 5 if leaves else None
     seed_all(0)
     seen, state = _train(make(), depth, [first, None, None], save_after=5, draws=False)
@@ -1246,29 +1218,6 @@ def test_with_workers_a_global_rng_sampler_behind_a_prefetcher_resumes_its_later
     resumed.load_state_dict(state)
     got, _ = _train(resumed, depth, [0 if leaves else None, None, None], draws=False)
     assert got == seen[5:]
-
-
-@pytest.mark.parametrize("depth", [None, 1, 3])
-def test_with_workers_a_state_saved_before_a_resumed_epoch_remade_its_draws_keeps_them(
-    depth: int | None,
-) -> None:
-    """Review 74 (as review 62 found without workers): a state saved in a resumed epoch before
-    it had made again every draw the first state rewound keeps the rest, so a second resume
-    draws them from the saved run's RNGs too."""
-    make = _with_workers(persistent=False, lazy=True)
-    seed_all(0)
-    seen, first = _train(make(), 3, [None, None], save_after=5, draws=False)
-    assert first is not None and len(first["rewound_rngs"]) > 2
-    seed_all(1)
-    once = make()
-    once.load_state_dict(first)
-    got, second = _train(once, depth, [None, None], save_after=1, draws=False)
-    assert got == seen[5:] and second is not None
-    seed_all(2)
-    twice = make()
-    twice.load_state_dict(second)
-    again, _ = _train(twice, depth, [None, None], draws=False)
-    assert again == seen[6:]
 
 
 def _epochs_of_a_loop(loader: DataLoader[Any], depth: int, steps: list[int | None],
@@ -1348,94 +1297,6 @@ def _outcomes(batches: Iterator[Any]) -> list[bytes | str]:
             out.append(str(e))
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_a_sampler_error_the_saved_run_had_drawn_ahead_is_raised_at_its_turn(depth: int) -> None:
-    """Review 74 (of the draws a resumed epoch makes again at once): the draw the sampler raised
-    at, made ahead of the user's batch in the saved run, raised during the resumed iter(); the
-    error was dropped there, and the resumed run yielded a batch in its place."""
-    def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_size=2, sampler=RaisesAt(16), num_workers=2,
-                          timeout=TIMEOUT)
-
-    seed_all(0)
-    loader = make()
-    batches = iter(DevicePrefetcher(loader, "cuda", depth=depth, engine=CloningEngine()))
-    seen = [batch_bytes(next(batches)) for _ in range(3)]
-    state = roundtrip(loader.state_dict())
-    seen += _outcomes(batches)
-    assert "sampler failed at 16" in seen[3:]
-    seed_all(5)
-    resumed = make()
-    resumed.load_state_dict(state)
-    got = _outcomes(iter(DevicePrefetcher(resumed, "cuda", depth=depth, engine=CloningEngine())))
-    assert got == seen[3:]
-
-
-@pytest.mark.parametrize("case", ["0 workers", "2 workers, lazy global sampler"])
-def test_a_state_saved_again_before_the_first_iter_keeps_the_draws_to_make_again(
-    case: str,
-) -> None:
-    """Review 74: a loader that had loaded a state saved behind a DevicePrefetcher, saved again
-    before its first iter() (a checkpoint right after restoring), wrote no rewound_rngs, so a
-    loader resumed from that made those draws from the wrong RNGs."""
-    def make() -> DataLoader[Any]:
-        if case == "0 workers":
-            return DataLoader(Augment(), batch_size=2, shuffle=True)
-        return DataLoader(Augment(), batch_size=2, sampler=LazyDraws(), num_workers=2,
-                          timeout=TIMEOUT)
-
-    seed_all(0)
-    seen, state = _train(make(), 1, [None, None], save_after=5, draws=False)
-    assert state is not None and state["rewound_rngs"]
-    seed_all(1)
-    loaded = make()
-    loaded.load_state_dict(state)
-    again = roundtrip(loaded.state_dict())
-    assert again["rewound_rngs"] == state["rewound_rngs"]
-    seed_all(2)
-    resumed = make()
-    resumed.load_state_dict(again)
-    got, _ = _train(resumed, 1, [None, None], draws=False)
-    assert got == seen[5:]
-
-
-class RefillingBatches(Sampler[list[int]]):
-    """A batch sampler that yields one list, refilled in place at each draw (safe in torch with
-    num_workers=0: each batch is fetched before the next draw)."""
-
-    def __len__(self) -> int:
-        return N // 2
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batch = [0, 0]
-        order = torch.randperm(N).tolist()
-        for i in range(0, N, 2):
-            batch[0], batch[1] = order[i], order[i + 1]
-            yield batch
-
-
-@pytest.mark.parametrize("depth", [1, 3])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_batch_sampler_refilling_its_list_resumes_behind_a_prefetcher(
-    workers: int, depth: int
-) -> None:
-    """Review 74: the indices a resumed epoch draws again at once were kept as the objects the
-    sampler yielded, so a list it refilled at its next draw left every one of them holding the
-    last draw's indices."""
-    def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_sampler=RefillingBatches(), num_workers=workers,
-                          timeout=TIMEOUT if workers else 0)
-
-    seed_all(0)
-    seen, state = _train(make(), depth, [None, None], save_after=5, draws=False)
-    assert state is not None and state["rewound_rngs"]
-    seed_all(1)
-    resumed = make()
-    resumed.load_state_dict(state)
-    got, _ = _train(resumed, depth, [None, None], draws=False)
-    assert got == seen[5:]
-
-
 def _raised_then_resumed(depth: int) -> tuple[DataLoader[Any], list[bytes | str]]:
     """A 2-worker loader over a sampler that raises at index 16, saved behind a prefetcher of
     ``depth`` after 3 batches (the raising draw among those made ahead of the save), and a
@@ -1450,9 +1311,21 @@ def _raised_then_resumed(depth: int) -> tuple[DataLoader[Any], list[bytes | str]
     seen = [batch_bytes(next(batches)) for _ in range(3)]
     state = roundtrip(loader.state_dict())
     seen += _outcomes(batches)
+    seed_all(5)
     resumed = make()
     resumed.load_state_dict(state)
     return resumed, seen[3:]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_sampler_error_the_saved_run_had_drawn_ahead_is_raised_at_its_turn(depth: int) -> None:
+    """Review 74 (of the draws a resumed epoch makes again at once): the draw the sampler raised
+    at, made ahead of the user's batch in the saved run, raised during the resumed iter(); the
+    error was dropped there, and the resumed run yielded a batch in its place."""
+    resumed, after = _raised_then_resumed(depth)
+    assert "sampler failed at 16" in after
+    got = _outcomes(iter(DevicePrefetcher(resumed, "cuda", depth=depth, engine=CloningEngine())))
+    assert got == after
 
 
 @pytest.mark.parametrize("when", ["left at once", "after the error"])
