@@ -48,7 +48,7 @@ from shmloader._torch_compat import ITERABLE_KIND
 from shmloader.dispatch import Dispatch
 from shmloader.ending import Ending
 from shmloader.host import ArenaHost
-from shmloader.nextbatch import NextBatch
+from shmloader.nextbatch import NextBatch, SamplerRaised
 from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import SamplerProgress, last_logged
 from shmloader.sampling import fast_batches
@@ -186,10 +186,14 @@ class ShmDataLoaderIter(NextBatch, HeldUnseen):
         random streams go on from where that run's went on (review 74). A draw the sampler
         raises from is passed over, as that run's error was raised at its turn."""
         while self._rewound:
+            entry = self._rewound[0]
+            if isinstance(entry, tuple) and type(entry[1]) is SamplerRaised:
+                self._rewound.popleft()  # (raised to the saved run's user at its turn)
+                continue
             try:
                 self._try_put_rewindable()
-            except Exception:  # noqa: BLE001  (raised to the saved run's user at its turn)
-                continue
+            except Exception:  # noqa: BLE001  (a draw made now that the sampler raises at)
+                self._safe = False  # (set for the sampler's draw; the next puts are not safe)
 
     # -- resume state ---------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
 from shmloader.onethread import inside, reentered, reset_after_fork
 from shmloader.options import arena_options
-from shmloader.single import SingleProcessIter
+from shmloader.single import OwedDraws, SingleProcessIter
 from shmloader.stats import LoaderStats, dist_rank, no_arena
 
 T_co = TypeVar("T_co", covariant=True)
@@ -75,6 +75,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.arena_slots_per_slab = arena_slots_per_slab
         self._epochs_started = 0  # epochs begun by this loader's iterators (or a loaded state)
         self._plan: dict[str, Any] | None = None  # a loaded state the next iterator resumes
+        # What the latest resumed num_workers=0 epoch may still owe the saved run's sampler
+        # when the next iterator is made (shmloader.single.OwedDraws)
+        self._owed: OwedDraws | None = None
         self._live: Callable[[], Any] | None = None  # the latest iterator (a weak reference)
         # The arena this loader keeps across iterators (made by the first multi-worker iter()).
         self._host: ArenaHost | None = None
@@ -103,6 +106,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
 
     def _get_iterator(self) -> Any:
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            owed.make()
         plan, self._plan = self._plan, None
         started = self._epochs_started
         try:
@@ -114,9 +120,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         except S.StateMismatch:
             raise  # a state this loader cannot resume from: the next iter() starts afresh
         except BaseException:
-            self._plan = plan  # no batch came from it: the next iter() resumes from the state
-            self._epochs_started = started  # ... and counts that epoch then (review 75)
+            if plan is not None:  # no batch came from it: the next iter() resumes from the state
+                self._plan = plan
+                self._epochs_started = started  # ... and counts that epoch then (review 75)
             raise
+        if isinstance(it, SingleProcessIter):
+            self._owed = it.owed()
         self._live = weakref.ref(it)
         if self._consumer_holds > 1:
             it.rewindable(self._consumer_holds)
@@ -305,6 +314,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         state["_host"] = None
         state["_iterator"] = None
         state["_live"] = None
+        state["_owed"] = None
         del state["_state_lock"]  # a lock does not pickle: the copy makes its own
         return state
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from collections import deque
 from typing import Any
 
@@ -36,31 +35,24 @@ from shmloader.ending import Ending
 from shmloader.host import ArenaHost
 from shmloader.interrupts import DESIGNED, touched_the_books, unusable_after
 from shmloader.lease import Leases
-from shmloader.notes import add_note
+from shmloader.notes import frameless
 from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress, WorkerProgress
 from shmloader.reorder import TaskInfo
-from shmloader.sampling import kept_copy
 from shmloader.supervisor import Supervisor, WorkerDeath
 
 
 class SamplerRaised:
     """What the sampler raised at a draw :meth:`NextBatch._draw_ahead` made again: raised at
-    that draw's turn, as the saved run's was. It keeps no frame: any frame of the draw leads
-    (``f_back``) to the iterator's own, so the error kept it, its workers and its slots alive
-    until a collection (review 75). Where the sampler raised it is kept as text, in a note."""
+    that draw's turn, as the saved run's was, holding no frame (:func:`frameless`)."""
 
     __slots__ = ("error",)
 
-    def __init__(self, error: Exception) -> None:
-        where = "".join(traceback.format_exception(error))
-        error.__traceback__ = error.__context__ = error.__cause__ = None
-        add_note(
-            error,
-            "(raised by the sampler when the resumed epoch drew again, as it began, the indices "
-            f"the saved run had drawn ahead of its save:)\n{where.rstrip()}",
+    def __init__(self, error: BaseException) -> None:
+        self.error = frameless(
+            error, "raised by the sampler when the resumed epoch drew again, as it began, the "
+            "indices the saved run had drawn ahead of its save"
         )
-        self.error = error
 
 
 # A tuple: `P.Ready | P.Failed` would build a union per frame. DROPPED answers only a task the
@@ -277,11 +269,11 @@ class NextBatch(_BaseDataLoaderIter):
         and keep their indices for the consumed batches whose turn sends them. So the sampler
         and its generators stand where the saved run's stood at its save even if this epoch is
         left at once (review 74: a ``generator`` that a sampler draws from as it goes stayed
-        behind, and the next epoch's batches differed). Each index is kept as
-        :func:`~shmloader.sampling.kept_copy` gives it (a batch sampler may refill the list it
-        yielded at its next draw: review 74). What the sampler raises at a draw is raised at
-        that draw's turn (:class:`SamplerRaised`); from a draw the sampler raises or ends at,
-        the rest are made at their turns."""
+        behind, and the next epoch's batches differed). Each index is kept as its worker will
+        receive it (:func:`~shmloader.protocol.as_received`: a batch sampler may refill the
+        list it yielded at its next draw; review 74). What the sampler raises at a draw is
+        raised at that draw's turn (:class:`SamplerRaised`); from a draw the sampler raises or
+        ends at, the rest are made at their turns."""
         pending: deque[Any] = self._rewound
         drawn: list[tuple[bytes, Any, int]] = []
         while pending and type(pending[0]) is bytes:
@@ -291,12 +283,14 @@ class NextBatch(_BaseDataLoaderIter):
                     index = self._at.draw(self._next_index)
             except StopIteration:
                 break
-            except Exception as e:  # noqa: BLE001  (the sampler's: raised at its turn)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001  (the sampler's: raised at its turn)
                 pending.popleft()
                 drawn.append((rng, SamplerRaised(e), self._at.next - 1))
                 break
             pending.popleft()
-            drawn.append((rng, kept_copy(index), self._at.next - 1))
+            drawn.append((rng, P.as_received(index), self._at.next - 1))
         pending.extendleft(reversed(drawn))
 
     def _try_put(self) -> None:

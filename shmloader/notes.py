@@ -8,6 +8,8 @@ the note is kept in ``__notes__`` as 3.11 keeps it, and printed by nothing.
 
 from __future__ import annotations
 
+import traceback
+
 
 def add_note(error: BaseException, note: str) -> None:
     """Add ``note`` to ``error`` (module docstring)."""
@@ -20,3 +22,23 @@ def add_note(error: BaseException, note: str) -> None:
         notes = []
         error.__notes__ = notes
     notes.append(note)
+
+
+def frameless(error: BaseException, where: str) -> BaseException:
+    """``error``, to be kept and raised later, holding no frame: the tracebacks of it and of the
+    exceptions it chains to are cleared (each kept frame leads, through ``f_back``, to the
+    frame that caught it, which holds the object keeping the error: a cycle that kept a dropped
+    iterator, its workers and its slots alive until a garbage collection; reviews 75 and 76),
+    and what they said goes in a note after ``where`` (why it is raised later)."""
+    told = "".join(traceback.format_exception(error)).rstrip()
+    chain: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while chain:
+        e = chain.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        chain += [e.__cause__, e.__context__]
+    add_note(error, f"({where}; where it was raised:)\n{told}")
+    return error

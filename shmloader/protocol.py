@@ -197,6 +197,19 @@ ToWorker = Task | Grant | Attach | Detach | Resume | Stop | Deny | Revoke
 ToMain = Ready | NeedSlot | Failed | Exhausted | Dropped | ReplicaState
 
 
+def as_received(index: Any) -> Any:
+    """``index`` as a worker receives it in a TASK (a copy through its pickle; a
+    :class:`PackedIndices` as it is): what an index drawn long before its task is sent keeps
+    (a sampler may change the object it yielded at its next draw). One that does not pickle
+    is kept as it is: sending it raises then, as torch's loader does."""
+    if type(index) is PackedIndices:
+        return index
+    try:
+        return pickle.loads(pickle.dumps(index, _PICKLE))
+    except Exception:  # noqa: BLE001
+        return index
+
+
 def ready(seq: int, epoch: int, worker_id: int, desc: Descriptor, nbytes: int) -> bytes:
     """The READY frame for a batch described by ``desc`` that uses ``nbytes`` of its slot
     (``desc.end``; the worker's hot path)."""

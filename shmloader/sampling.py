@@ -33,24 +33,6 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from shmloader.protocol import PackedIndices
 
 
-def kept_copy(index: Any) -> Any:
-    """``index`` as drawn, safe to keep past the sampler's next draw: a ``list``, ``dict``,
-    NumPy array or tensor is copied one level deep (a batch sampler may refill the one it
-    yielded, as torch allows with ``num_workers=0``, where each batch is fetched before the
-    next draw); anything else is kept as it is (its identity may be the dataset's key, and it
-    may not be copyable: review 75)."""
-    kind = type(index)
-    if kind is list:
-        return list(index)
-    if kind is dict:
-        return dict(index)
-    if isinstance(index, np.ndarray):
-        return index.copy()
-    if isinstance(index, torch.Tensor):
-        return index.clone()
-    return index
-
-
 def fast_batches(index_sampler: Iterable[Any]) -> Iterator[PackedIndices] | None:
     """A fast iterator equivalent to ``iter(index_sampler)``, or None when there is none."""
     if type(index_sampler) is not BatchSampler:

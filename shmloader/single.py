@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -25,7 +26,6 @@ from shmloader._torch_compat import ITERABLE_KIND
 from shmloader.collate import private_default_collate
 from shmloader.onethread import one_thread, reset_after_fork
 from shmloader.progress import last_logged
-from shmloader.sampling import kept_copy
 from shmloader.state import EpochStart, is_stateful, skip_consumed, untouched_rngs
 from shmloader.unseen import HeldUnseen
 
@@ -80,33 +80,13 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         self._base_seed = plan["base_seed"]
         self._counted(loader, plan["yielded"])
         self._rewound = deque(plan.get("rewound_rngs") or ())
-        if self._dataset_kind != ITERABLE_KIND:  # (an IterableDataset's sampler draws nothing)
-            self._draw_ahead()
 
-    def _draw_ahead(self) -> None:
-        """As a resumed epoch starts: draw again, each from the RNGs it started from, the
-        indices of the fetches the saved run had made ahead of its save, and keep them, with
-        the RNGs after each draw, for those fetches. So the sampler and its generators stand
-        where the saved run's stood at its save even if this epoch is left at once (review 74:
-        a ``generator`` that a sampler draws from as it goes stayed behind, and the next
-        epoch's batches differed). Each index is kept as :func:`~shmloader.sampling.kept_copy`
-        gives it (a batch sampler may refill the list it yielded at its next draw: review 74).
-        From a draw the sampler ends or raises at, the rest are made at their fetches (a
-        sampler's error is never among them: a fetch it raises from draws nothing, so the
-        saved run logged none for it)."""
-        pending: deque[Any] = self._rewound
-        drawn: list[tuple[bytes, Any, bytes]] = []
-        while pending and type(pending[0]) is bytes:
-            rng = pending[0]
-            try:
-                with rngstate.set_to(rng):
-                    index = super()._next_index()  # type: ignore[no-untyped-call]
-                    after = rngstate.capture()
-            except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its fetch)
-                break
-            pending.popleft()
-            drawn.append((rng, kept_copy(index), after))
-        pending.extendleft(reversed(drawn))
+    def owed(self) -> OwedDraws | None:
+        """The draws this resumed epoch still owes the saved run, to be made if another epoch
+        begins first (:class:`OwedDraws`); None when it owes none."""
+        if not self._rewound or self._dataset_kind == ITERABLE_KIND:
+            return None  # (an IterableDataset's sampler draws nothing)
+        return OwedDraws(self)
 
     def _torch_init(self, loader: Any) -> None:
         """Torch's ``__init__``; its fetcher collates with :func:`private_default_collate` in
@@ -288,3 +268,43 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
             if self._ended or getattr(self._dataset_fetcher, "ended", False):
                 entry["ended"] = True
         return {"workers": [entry], "assign": [], "next_worker": 0}
+
+
+class OwedDraws:
+    """The fetches a resumed ``num_workers=0`` epoch makes again (``rewound_rngs``) draw their
+    indices at their turn, as torch does: each index goes to the dataset as the sampler yielded
+    it, before the next draw (an index object may be the dataset's key, or refilled by the next
+    draw). When the loader's next iterator is made before they are all made (the epoch left at
+    the save), the rest are drawn then, each from its RNGs, so the sampler and its generators
+    stand where the saved run's stood (review 74: a ``generator`` a sampler draws from as it
+    goes stayed behind, and every later epoch differed; review 76: drawn at once as the epoch
+    began, they broke index objects). An iterator still alive keeps those indices for its
+    fetches. It holds the sampler's iterator, not the iterator (which may be gone by then)."""
+
+    def __init__(self, it: SingleProcessIter) -> None:
+        self.sampler_iter = it._sampler_iter
+        self.rewound = it._rewound
+        self.lock = it._lock
+        self.iterator = weakref.ref(it)
+
+    def make(self) -> None:
+        with self.lock:  # (an iterator still in use in another thread finishes its fetch)
+            self._draw()
+
+    def _draw(self) -> None:
+        """Each fetch still owed, its index drawn now from the RNGs it started from (and those
+        after the draw kept for the fetch); from a draw the sampler ends or raises at, the rest
+        are made at their fetches, if ever."""
+        pending: deque[Any] = self.rewound
+        drawn: list[tuple[bytes, Any, bytes]] = []
+        while pending and type(pending[0]) is bytes:
+            rng = pending[0]
+            try:
+                with rngstate.set_to(rng):
+                    index = next(self.sampler_iter)
+                    after = rngstate.capture()
+            except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its fetch)
+                break
+            pending.popleft()
+            drawn.append((rng, index, after))
+        pending.extendleft(reversed(drawn))

@@ -1281,7 +1281,7 @@ class RaisesAt(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         for i in range(N):
             if i == self.at:
-                raise ValueError(f"sampler failed at {i}")
+                raise ValueError(f"sampler failed at {i}") from KeyError(i)
             yield i
 
 
@@ -1345,6 +1345,7 @@ def test_a_sampler_error_drawn_again_keeps_no_cycle_to_the_iterator(when: str) -
                     next(it)
             notes = "".join(getattr(raised.value, "__notes__", []))
             assert "in __iter__" in notes and "sampler failed at 16" in notes
+            assert isinstance(raised.value.__cause__, KeyError)  # (review 76: it was lost)
             del raised
         gone = weakref.ref(it)
         del it
@@ -1422,14 +1423,13 @@ class InterruptedOnce(Sampler[list[int]]):
             yield order[2 * b : 2 * b + 2]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_resumed_iter_cut_short_counts_its_epoch_once(workers: int) -> None:
-    """Review 75: a Ctrl-C in the sampler's draws of a resumed iter() (the indices drawn again
-    at once, or with workers the first tasks') left the loader's epoch count one ahead: the
-    next iter() resumed the right batches, but a state saved then named the next epoch."""
+def test_a_resumed_iter_cut_short_counts_its_epoch_once() -> None:
+    """Review 75: a Ctrl-C in the sampler's draws of a resumed iter() (the first tasks') left
+    the loader's epoch count one ahead: the next iter() resumed the right batches, but a state
+    saved then named the next epoch."""
     def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_sampler=InterruptedOnce(), num_workers=workers,
-                          timeout=TIMEOUT if workers else 0)
+        return DataLoader(Augment(), batch_sampler=InterruptedOnce(), num_workers=2,
+                          timeout=TIMEOUT)
 
     seed_all(0)
     seen, state = _train(make(), 3, [None, None], save_after=5, draws=False)
@@ -1443,3 +1443,167 @@ def test_a_resumed_iter_cut_short_counts_its_epoch_once(workers: int) -> None:
     got, again = _train(resumed, 3, [None, None], save_after=1, draws=False)
     assert got == seen[5:]
     assert again is not None and again["epoch"] == state["epoch"]
+
+
+class FlakyOnce(Sampler[int]):
+    """Its second iter() raises at the first draw (a flaky read), once."""
+
+    def __init__(self) -> None:
+        self.iters = 0
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        self.iters += 1
+        if self.iters == 2:
+            raise OSError("flaky read")
+        yield from range(N)
+
+
+@pytest.mark.parametrize("workers", [0, 2, "persistent"])
+def test_an_epoch_whose_first_draw_failed_counts_as_begun_whatever_the_workers(
+    workers: int | str,
+) -> None:
+    """Review 76: the count put back for a resumed iter() that failed (review 75) was put back
+    for any iter(): with 2 workers an epoch whose sampler failed at its first draw no longer
+    counted, where with 0 or persistent workers (whose draw fails in next(), or in the kept
+    iterator's iter()) it does, as it did before."""
+    kw: dict[str, Any] = {} if workers == 0 else {
+        "num_workers": 2, "timeout": TIMEOUT, "persistent_workers": workers == "persistent"}
+    loader = DataLoader(Augment(), batch_size=2, sampler=FlakyOnce(), **kw)
+    assert len(list(loader)) == N // 2
+    with pytest.raises(OSError, match="flaky read"):
+        list(loader)
+    assert len(list(loader)) == N // 2
+    assert loader.state_dict()["epoch"] == 3
+
+
+class _RefilledList(list):  # type: ignore[type-arg]
+    pass
+
+
+KEYS = [torch.tensor([i]) for i in range(N)]  # tensors hash by identity
+
+
+class OneIndexObject(Sampler[Any]):
+    """Yields, for each sample, an index object of ``kind`` that it refills in place (or, for
+    "tensor key", one the dataset looks up by identity): torch hands each to the dataset as it
+    is, before the next draw, with ``num_workers=0``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[Any]:
+        inner: list[int] = []
+        refilled = _RefilledList()
+        for i in torch.randperm(N).tolist():
+            if self.kind == "list subclass":
+                refilled[:] = [i]
+                yield refilled
+            elif self.kind == "tuple of a list":
+                inner[:] = [i]
+                yield (inner, "tag")
+            elif self.kind == "generator":
+                inner[:] = [i]
+                yield (x for x in inner)
+            else:
+                yield KEYS[i]
+
+
+class ByIndexObject(Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.table = {key: i for i, key in enumerate(KEYS)}
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if isinstance(index, torch.Tensor):
+            i = self.table.get(index, -1)
+        elif isinstance(index, tuple):
+            i = index[0][0]
+        elif isinstance(index, list):
+            i = index[0]
+        else:
+            i = next(index, -1)
+        return torch.tensor([float(i), torch.rand(()).item()], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "kind, workers",
+    [("list subclass", 0), ("tuple of a list", 0), ("generator", 0), ("tensor key", 0),
+     ("list subclass", 2), ("tuple of a list", 2)],
+)
+def test_index_objects_reach_the_dataset_as_the_sampler_yielded_them_after_a_resume(
+    kind: str, workers: int
+) -> None:
+    """Review 76: indices a resumed epoch drew again at once (review 74) were kept as copies
+    of some types only: a list subclass or a tuple of a list the sampler refilled, or a lazy
+    index (a generator over a refilled list), arrived holding the last draw's indices, and a
+    tensor copy missed the dataset's identity-keyed table. With num_workers=0 they are drawn
+    at their fetch again (the draws a resumed epoch left undone are made when the next iterator
+    starts); with workers each is kept as its worker receives it."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(ByIndexObject(), batch_size=None, sampler=OneIndexObject(kind),
+                          num_workers=workers, timeout=TIMEOUT if workers else 0)
+
+    seed_all(0)
+    seen, state = _train(make(), 2, [None, None], save_after=3, draws=False)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(5)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _train(resumed, 2, [None, None], draws=False)
+    assert got == seen[3:]
+
+
+class FailsAt(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 3:
+            raise ValueError("sample 3 is bad")
+        return torch.tensor([float(i)])
+
+
+@pytest.mark.parametrize("source", ["sampler", "dataset"])
+@pytest.mark.parametrize("when", ["queued, the pass dropped", "raised to the user"])
+def test_a_loader_error_through_a_prefetcher_keeps_no_cycle_to_the_iterator(
+    source: str, when: str
+) -> None:
+    """Review 76 (so before these reviews): an error the loader raised held, through its
+    traceback, the DevicePrefetcher's frame that caught it (which holds the pass) or raised it
+    (which held the error): a cycle that kept the loader's iterator, its workers and slots alive
+    until a garbage collection, once the loop dropped them (with ``gc.disable()``, for good)."""
+    if source == "sampler":
+        loader = DataLoader(Augment(), batch_size=2, sampler=RaisesAt(10), num_workers=2,
+                            timeout=TIMEOUT)  # (its 6th batch: drawn as the 2nd is consumed)
+    else:
+        loader = DataLoader(FailsAt(), batch_size=2, num_workers=2, timeout=TIMEOUT)
+    gc.collect()
+    gc.disable()
+    try:
+        it = iter(loader)
+        batches = DevicePrefetcher(it, "cuda", depth=2, engine=CloningEngine())
+        gone = weakref.ref(it)
+        del it
+        passing = iter(batches)
+        next(passing)
+        queued = [i for i in passing.queue if not isinstance(i, tuple)]  # type: ignore[attr-defined]
+        assert queued and isinstance(queued[0].error, ValueError)
+        del queued
+        if when == "raised to the user":
+            with pytest.raises(ValueError) as raised:
+                while True:
+                    next(passing)
+            assert "DevicePrefetcher" in "".join(getattr(raised.value, "__notes__", []))
+            del raised
+        del passing, batches
+        assert gone() is None
+    finally:
+        gc.enable()

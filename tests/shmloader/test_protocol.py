@@ -69,3 +69,23 @@ def test_an_unknown_frame_kind_is_reported_with_its_size():
 def test_encoding_something_that_is_not_a_message_raises():
     with pytest.raises(TypeError):
         P.encode(torch.zeros(1))  # type: ignore[arg-type]
+
+
+class _Refilled(list):  # type: ignore[type-arg]
+    """A list subclass a batch sampler refills in place."""
+
+
+def test_an_index_kept_before_its_task_is_sent_is_what_the_worker_receives():
+    """Review 76: indices a resumed epoch draws ahead are kept until their tasks are sent; the
+    sampler may refill what it yielded (a list, a list subclass, a tuple of lists) meanwhile."""
+    refilled = _Refilled([1, 2])
+    nested = ([3, 4], "k")
+    kept = [P.as_received(i) for i in (refilled, nested, np.array([5, 6]))]
+    refilled[0] = nested[0][0] = 0
+    assert kept[0] == [1, 2] and type(kept[0]) is _Refilled
+    assert kept[1] == ([3, 4], "k")
+    assert kept[2].tolist() == [5, 6]
+    packed = P.PackedIndices(b"\x01" * 8)
+    assert P.as_received(packed) is packed
+    unpicklable = lambda: 0  # noqa: E731  (sending it raises later, as torch's loader does)
+    assert P.as_received(unpicklable) is unpicklable

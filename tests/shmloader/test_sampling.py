@@ -85,22 +85,3 @@ def test_other_parallel_backends_draw_with_the_callers_threads(two_threads, monk
     monkeypatch.setattr(sampling, "_openmp", lambda: False)
     assert _threads_of_each_draw(monkeypatch) == [2, 2]
 
-
-def test_kept_copy_copies_what_a_sampler_may_refill_and_keeps_anything_else_as_it_is() -> None:
-    """Indices a resumed epoch draws ahead (review 74, 75): a refillable container is copied one
-    level deep; any other object is the sampler's own (its identity may be the dataset's key)."""
-    kept_copy = sampling.kept_copy
-    key = object()
-    for index in ([1, key], {"a": key}, np.array([1, 2]), torch.tensor([1, 2])):
-        kept = kept_copy(index)
-        assert kept is not index and type(kept) is type(index)
-        if isinstance(index, list):
-            assert kept == index and kept[1] is key
-        elif isinstance(index, dict):
-            assert kept == index and kept["a"] is key
-        else:
-            assert (kept == index).all()
-            index[0] = 7
-            assert kept[0] == 1  # a copy of the data, not a view
-    for index in (key, 3, (1, 2), b"\x01", "s"):
-        assert kept_copy(index) is index
