@@ -106,9 +106,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         )
 
     def _get_iterator(self) -> Any:
-        owed, self._owed = self._owed, None
-        if owed is not None:
-            owed.make()
+        self._make_owed()
         plan, self._plan = self._plan, None
         started = self._epochs_started
         try:
@@ -130,6 +128,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._consumer_holds > 1:
             it.rewindable(self._consumer_holds)
         return it
+
+    def _make_owed(self) -> None:
+        """Make the sampler draws a resumed ``num_workers=0`` epoch still owes the saved run
+        (:class:`~shmloader.single.OwedDraws`): before the next iterator draws, or a state
+        takes where the next epoch's draws start."""
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            try:
+                owed.make()
+            except BaseException:
+                self._owed = owed  # (a Ctrl-C in a draw: the rest still owed; review 77)
+                raise
 
     def _current(self) -> Any:
         """The latest iterator (a multi-worker one inherited through fork is the parent's: its
@@ -185,6 +195,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                     "workers": [], "replicas": None,
                 }  # fmt: skip
             if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
+                self._make_owed()  # (after those the last epoch owed: review 77)
                 body["epoch_start"] = S.EpochStart.capture(self).as_dict()
             main_rng = body.pop("main_rng", None)
             rewound = body.pop("rewound_rngs", [])
@@ -239,6 +250,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             old, self._iterator, self._live = self._iterator, None, None
             if isinstance(old, ShmDataLoaderIter):
                 old._shutdown_workers()
+            self._owed = None  # the state loaded supersedes what an earlier one owed (review 77)
             if not sd["in_epoch"]:
                 S.EpochStart.from_dict(sd["epoch_start"]).apply(self)
             rngstate.restore(sd["main_rng"])

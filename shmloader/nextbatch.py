@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -48,10 +49,10 @@ class SamplerRaised:
 
     __slots__ = ("error",)
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, handled: BaseException | None) -> None:
         self.error = frameless(
             error, "raised by the sampler when the resumed epoch drew again, as it began, the "
-            "indices the saved run had drawn ahead of its save"
+            "indices the saved run had drawn ahead of its save", handled
         )
 
 
@@ -276,6 +277,7 @@ class NextBatch(_BaseDataLoaderIter):
         ends at, the rest are made at their turns."""
         pending: deque[Any] = self._rewound
         drawn: list[tuple[bytes, Any, int]] = []
+        handled = sys.exc_info()[1]  # (iter() called while the user handles an exception)
         while pending and type(pending[0]) is bytes:
             rng = pending[0]
             try:
@@ -287,7 +289,7 @@ class NextBatch(_BaseDataLoaderIter):
                 raise
             except BaseException as e:  # noqa: BLE001  (the sampler's: raised at its turn)
                 pending.popleft()
-                drawn.append((rng, SamplerRaised(e), self._at.next - 1))
+                drawn.append((rng, SamplerRaised(e, handled), self._at.next - 1))
                 break
             pending.popleft()
             drawn.append((rng, P.as_received(index), self._at.next - 1))

@@ -4,11 +4,19 @@ Where shmloader raises what torch raises, the message stays torch's and anything
 add (where the fault came from, what to change) goes in a note, which tracebacks print after the
 message (``BaseException.add_note``, Python 3.11+). On Python 3.10, which has no ``add_note``,
 the note is kept in ``__notes__`` as 3.11 keeps it, and printed by nothing.
+
+:func:`frameless` keeps an error to raise later (a sampler's, drawn ahead of its turn) without
+the frames its traceback holds; where it was raised goes in a note.
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import traceback
+from typing import Any
+
+_GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # (Python 3.11+)
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -24,21 +32,29 @@ def add_note(error: BaseException, note: str) -> None:
     notes.append(note)
 
 
-def frameless(error: BaseException, where: str) -> BaseException:
-    """``error``, to be kept and raised later, holding no frame: the tracebacks of it and of the
-    exceptions it chains to are cleared (each kept frame leads, through ``f_back``, to the
-    frame that caught it, which holds the object keeping the error: a cycle that kept a dropped
-    iterator, its workers and its slots alive until a garbage collection; reviews 75 and 76),
-    and what they said goes in a note after ``where`` (why it is raised later)."""
+def frameless(
+    error: BaseException, where: str, handled: BaseException | None = None
+) -> BaseException:
+    """``error``, to be kept and raised later, holding no frame: each kept frame leads, through
+    ``f_back``, to the frame that caught it, which holds the object keeping the error (a cycle
+    that kept a dropped iterator, its workers and its slots alive until a garbage collection;
+    review 75). The tracebacks of ``error`` and of the exceptions it chains to (``__cause__``,
+    ``__context__``, an exception group's members) are cleared, but for ``handled`` and what it
+    chains to (the exception the caller was handling: the user's own, whose traceback is
+    theirs; review 77); what they said goes in a note after ``where``. Never raises: an
+    exception that refuses the note (a frozen dataclass) is kept without it."""
     told = "".join(traceback.format_exception(error)).rstrip()
     chain: list[BaseException | None] = [error]
-    seen: set[int] = set()
+    seen: set[int] = set() if handled is None else {id(handled)}
     while chain:
         e = chain.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        e.__traceback__ = None
+        e.with_traceback(None)  # (not `e.__traceback__ = None`: a frozen class refuses that)
         chain += [e.__cause__, e.__context__]
-    add_note(error, f"({where}; where it was raised:)\n{told}")
+        if _GROUP is not None and isinstance(e, _GROUP):
+            chain += e.exceptions
+    with contextlib.suppress(Exception):
+        add_note(error, f"({where}; where it was raised:)\n{told}")
     return error

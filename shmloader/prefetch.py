@@ -22,8 +22,7 @@ Invariants:
 - An error the loader raises, or the copy engine raises for a batch, reaches the user at that
   batch's turn, in its place, after the batches before it, and iteration may go on past it, as
   with the loader (the iteration is an iterator object, not a generator that an exception would
-  end). It is kept without frames (:func:`~shmloader.notes.frameless`): they lead to the frame
-  that caught it, which holds the pass, so a dropped pass kept the loader's iterator alive.
+  end).
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
   under an in-flight DMA (FFCV and SPDL do the same). Then the prefetcher lets go of it. When
@@ -61,8 +60,6 @@ from collections.abc import (
 from typing import Any, Protocol
 
 import torch
-
-from shmloader.notes import frameless
 
 
 class Event(Protocol):
@@ -212,10 +209,7 @@ class _LoaderError:
     at its cap, does not: the loader gives that batch at the next call)."""
 
     def __init__(self, error: Exception, consumed: bool = True) -> None:
-        # Without frames: the frame that caught it holds the pass, which holds this (review 76:
-        # a pass dropped with it queued kept the loader's iterator, workers and slots alive
-        # until a garbage collection)
-        self.error = frameless(error, "taken from the loader ahead of you by a DevicePrefetcher")
+        self.error = error
         self.consumed = consumed
 
 
@@ -295,12 +289,7 @@ class _Prefetching:
                     self.taken += item.consumed
                     self._handed_unseen(item.consumed)
                     self._tell()
-                    error = item.error
-                    del item  # no local of this frame holds the error it raises: no cycle
-                    try:
-                        raise error
-                    finally:
-                        del error
+                    raise item.error
                 self.taken += 1
                 self._handed_unseen(1)
                 try:

@@ -35,11 +35,9 @@ numbers.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import random
 import struct
-from collections.abc import Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -176,17 +174,27 @@ def restore(snapshot: bytes) -> None:
     np.random.set_state(("MT19937", np.frombuffer(nkey, dtype="<u4"), pos, nhas, ngauss))
 
 
-@contextlib.contextmanager
-def set_to(snapshot: bytes) -> Iterator[None]:
+class set_to:  # (lower case: used as a function, ``with set_to(snapshot):``)
     """Inside: this process's torch, ``random`` and NumPy states set from ``snapshot``; after,
     however it ends, put back as they were (a draw made again from a saved run's RNGs that
-    leaves this run's as they are)."""
-    outer = capture()
-    try:
-        restore(snapshot)
-        yield
-    finally:
-        restore(outer)
+    leaves this run's as they are). A class, not ``contextlib.contextmanager``: that assigns
+    the ``__traceback__`` of an exception passing through, which some refuse (a frozen
+    dataclass: review 77)."""
+
+    def __init__(self, snapshot: bytes) -> None:
+        self.snapshot = snapshot
+        self.outer = b""
+
+    def __enter__(self) -> None:
+        self.outer = capture()
+        try:
+            restore(self.snapshot)
+        except BaseException:
+            restore(self.outer)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        restore(self.outer)
 
 
 class RngRing:

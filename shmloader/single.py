@@ -288,23 +288,28 @@ class OwedDraws:
         self.iterator = weakref.ref(it)
 
     def make(self) -> None:
-        with self.lock:  # (an iterator still in use in another thread finishes its fetch)
+        """Make the draws, unless the iterator is inside a fetch in another thread (it is alive
+        and in use there: it makes them itself; review 77: iter() waited for that fetch)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
             self._draw()
+        finally:
+            self.lock.release()
 
     def _draw(self) -> None:
         """Each fetch still owed, its index drawn now from the RNGs it started from (and those
-        after the draw kept for the fetch); from a draw the sampler ends or raises at, the rest
-        are made at their fetches, if ever."""
+        after the draw kept for the fetch), in order, each entry replaced as it is made (a
+        Ctrl-C keeps those made, and the rest owed); from a draw the sampler ends or raises
+        at, the rest are made at their fetches, if ever."""
         pending: deque[Any] = self.rewound
-        drawn: list[tuple[bytes, Any, bytes]] = []
-        while pending and type(pending[0]) is bytes:
-            rng = pending[0]
+        for k, rng in enumerate(list(pending)):
+            if type(rng) is not bytes:
+                continue  # (made already: by a make() a Ctrl-C cut short)
             try:
                 with rngstate.set_to(rng):
                     index = next(self.sampler_iter)
                     after = rngstate.capture()
             except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its fetch)
-                break
-            pending.popleft()
-            drawn.append((rng, index, after))
-        pending.extendleft(reversed(drawn))
+                return
+            pending[k] = (rng, index, after)

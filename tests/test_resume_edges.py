@@ -9,11 +9,13 @@ scrambled (:mod:`tests.resume_items`), and compares with the uninterrupted run, 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
 import signal
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -1561,49 +1563,216 @@ def test_index_objects_reach_the_dataset_as_the_sampler_yielded_them_after_a_res
     assert got == seen[3:]
 
 
-class FailsAt(Dataset):  # type: ignore[type-arg]
+def _own_generator_loader() -> DataLoader[Any]:
+    data = Augment()
+    return DataLoader(data, batch_size=2, sampler=RandomSampler(
+        data, replacement=True, num_samples=96, generator=torch.Generator().manual_seed(7)))
+
+
+def test_a_state_taken_after_a_resumed_epoch_was_left_counts_the_draws_it_owed() -> None:
+    """Review 77: with num_workers=0, a resumed epoch left at once (its iterator dropped) still
+    owes the sampler the draws the saved run had made ahead of its save, made when the next
+    iterator starts; a state taken before that recorded where the next epoch's draws start
+    without them, so a loader resumed from it drew every later epoch from a generator behind
+    the saved run's."""
+    seed_all(0)
+    seen, state = _epochs_of_a_loop(_own_generator_loader(), 3, [13, None, None], 13)
+    assert state is not None and state["rewound_rngs"]
+    resumed = _own_generator_loader()
+    resumed.load_state_dict(state)
+    iter(DevicePrefetcher(resumed, "cuda", depth=3, engine=CloningEngine()))  # left at once
+    between = roundtrip(resumed.state_dict())
+    assert not between["in_epoch"]
+    again = _own_generator_loader()
+    again.load_state_dict(between)
+    got, _ = _epochs_of_a_loop(again, 3, [None, None])
+    assert got == seen[13:]
+
+
+def test_a_state_loaded_after_a_resumed_epoch_was_left_drops_the_draws_it_owed() -> None:
+    """Review 77: the draws a resumed num_workers=0 epoch left at once still owed were made
+    when the next iterator started even after another state was loaded, moving the sampler's
+    generator off where that state had put it."""
+    seed_all(0)
+    _, state = _epochs_of_a_loop(_own_generator_loader(), 3, [13, None], 13)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(1)
+    plain = _own_generator_loader()
+    list(plain)
+    between = roundtrip(plain.state_dict())
+    expected = [batch_bytes(b) for b in plain]
+    loader = _own_generator_loader()
+    loader.load_state_dict(state)
+    iter(DevicePrefetcher(loader, "cuda", depth=3, engine=CloningEngine()))  # left at once
+    loader.load_state_dict(between)
+    assert [batch_bytes(b) for b in loader] == expected
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenError(Exception):
+    """An exception that refuses attribute assignment (its __traceback__ and notes too)."""
+
+    code: int
+
+
+class RaisesFrozenAt(Sampler[int]):
     def __len__(self) -> int:
         return N
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i == 3:
-            raise ValueError("sample 3 is bad")
-        return torch.tensor([float(i)])
+    def __iter__(self) -> Iterator[int]:
+        for i in range(N):
+            if i == 16:
+                raise FrozenError(i)
+            yield i
 
 
-@pytest.mark.parametrize("source", ["sampler", "dataset"])
-@pytest.mark.parametrize("when", ["queued, the pass dropped", "raised to the user"])
-def test_a_loader_error_through_a_prefetcher_keeps_no_cycle_to_the_iterator(
-    source: str, when: str
-) -> None:
-    """Review 76 (so before these reviews): an error the loader raised held, through its
-    traceback, the DevicePrefetcher's frame that caught it (which holds the pass) or raised it
-    (which held the error): a cycle that kept the loader's iterator, its workers and slots alive
-    until a garbage collection, once the loop dropped them (with ``gc.disable()``, for good)."""
-    if source == "sampler":
-        loader = DataLoader(Augment(), batch_size=2, sampler=RaisesAt(10), num_workers=2,
-                            timeout=TIMEOUT)  # (its 6th batch: drawn as the 2nd is consumed)
-    else:
-        loader = DataLoader(FailsAt(), batch_size=2, num_workers=2, timeout=TIMEOUT)
-    gc.collect()
-    gc.disable()
+def _frozen_outcomes(batches: Iterator[Any]) -> list[bytes | int]:
+    out: list[bytes | int] = []
+    while True:
+        try:
+            out.append(batch_bytes(next(batches)))
+        except StopIteration:
+            return out
+        except FrozenError as e:
+            out.append(e.code)
+
+
+def test_a_sampler_error_that_refuses_a_traceback_is_raised_at_its_turn_after_a_resume() -> None:
+    """Review 77: keeping the sampler's error without frames assigned its __traceback__, which
+    a frozen dataclass refuses: the FrozenInstanceError left the resumed iter(), and the
+    sampler's own error was lost."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, sampler=RaisesFrozenAt(), num_workers=2,
+                          timeout=TIMEOUT)
+
+    seed_all(0)
+    loader = make()
+    batches = iter(DevicePrefetcher(loader, "cuda", depth=2, engine=CloningEngine()))
+    seen = [batch_bytes(next(batches)) for _ in range(3)]
+    state = roundtrip(loader.state_dict())
+    after = _frozen_outcomes(batches)
+    assert 16 in after
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = _frozen_outcomes(iter(DevicePrefetcher(resumed, "cuda", depth=2, engine=CloningEngine())))
+    assert got == after and seen
+
+
+def test_the_users_own_exception_keeps_its_traceback_when_a_resumed_iter_keeps_an_error() -> None:
+    """Review 77: a resumed iter() called while the user handles an exception of their own
+    kept the sampler's error without frames, and cleared those of the exception it chained to:
+    the user's, which then had lost where it was raised."""
+    resumed, _ = _raised_then_resumed(2)
+
+    def users_step() -> None:
+        raise LookupError("the user's own")
+
     try:
-        it = iter(loader)
-        batches = DevicePrefetcher(it, "cuda", depth=2, engine=CloningEngine())
-        gone = weakref.ref(it)
-        del it
-        passing = iter(batches)
-        next(passing)
-        queued = [i for i in passing.queue if not isinstance(i, tuple)]  # type: ignore[attr-defined]
-        assert queued and isinstance(queued[0].error, ValueError)
-        del queued
-        if when == "raised to the user":
-            with pytest.raises(ValueError) as raised:
-                while True:
-                    next(passing)
-            assert "DevicePrefetcher" in "".join(getattr(raised.value, "__notes__", []))
-            del raised
-        del passing, batches
-        assert gone() is None
+        users_step()
+    except LookupError as own:
+        it = iter(resumed)
+        assert own.__traceback__ is not None
+        assert any("users_step" in line for line in traceback.format_tb(own.__traceback__))
+    with pytest.raises(ValueError, match="sampler failed at 16"):
+        while True:
+            next(it)
+
+
+class GeneratorBatches(Sampler[list[int]]):
+    """A batch sampler drawing each batch from its own generator as it goes; a Ctrl-C before
+    batch ``interrupt_at``, once, after which its iterator (an object, not a generator
+    function, which an exception would end) goes on."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(3)
+        self.interrupt_at: int | None = None
+
+    def __len__(self) -> int:
+        return N // 2
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return _Batches(self)
+
+
+class _Batches:
+    def __init__(self, sampler: GeneratorBatches) -> None:
+        self.sampler = sampler
+        self.drawn = 0
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.drawn == N // 2:
+            raise StopIteration
+        if self.sampler.interrupt_at == self.drawn:
+            self.sampler.interrupt_at = None
+            raise KeyboardInterrupt
+        self.drawn += 1
+        return torch.randint(N, (2,), generator=self.sampler.generator).tolist()
+
+
+def test_a_ctrl_c_in_the_draws_a_left_epoch_owed_keeps_the_rest_owed() -> None:
+    """Review 77: with num_workers=0, a Ctrl-C in one of the draws a resumed epoch left at once
+    still owed, made as the next iterator starts, dropped the rest: the next epoch drew from a
+    generator behind the saved run's."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_sampler=GeneratorBatches())
+
+    seed_all(0)
+    seen, state = _train(make(), 3, [5, None], save_after=5, draws=False)  # left at the save
+    assert state is not None and len(state["rewound_rngs"]) > 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    iter(DevicePrefetcher(resumed, "cuda", depth=3, engine=CloningEngine()))  # left at once
+    resumed.batch_sampler.interrupt_at = state["yielded"] + 1  # type: ignore[union-attr]
+    with pytest.raises(KeyboardInterrupt):
+        iter(resumed)
+    assert [batch_bytes(b) for b in resumed] == [s[0] for s in seen[5:]]
+
+
+class HeldAugment(Dataset):  # type: ignore[type-arg]
+    """Augment's samples; a fetch waits at ``gate`` while ``hold`` is set."""
+
+    def __init__(self) -> None:
+        self.augment = Augment()
+        self.hold = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> Any:
+        if self.hold:
+            self.entered.set()
+            self.gate.wait(TIMEOUT)
+        return self.augment[i]
+
+
+def test_iter_leaves_the_draws_a_resumed_epoch_owes_to_it_while_another_thread_fetches() -> None:
+    """Review 77: with num_workers=0, iter() made the draws a resumed epoch still owed under
+    that iterator's lock, so it waited for another thread's fetch in it (for good, for a fetch
+    that never returns). An iterator in use in another thread makes them itself."""
+    data = HeldAugment()
+    def make() -> DataLoader[Any]:
+        return DataLoader(data, batch_size=2, sampler=RandomSampler(
+            data, replacement=True, num_samples=96, generator=torch.Generator().manual_seed(7)))
+
+    seed_all(0)
+    _, state = _epochs_of_a_loop(make(), 3, [13, None], 13)
+    assert state is not None and state["rewound_rngs"]
+    resumed = make()
+    resumed.load_state_dict(state)
+    first = iter(resumed)
+    data.hold = True
+    fetching = threading.Thread(target=lambda: next(first), daemon=True)
+    fetching.start()
+    try:
+        assert data.entered.wait(TIMEOUT)
+        iter(resumed)
+        assert all(type(r) is bytes for r in first._rewound)  # (made by `first` as it fetches)
     finally:
-        gc.enable()
+        data.gate.set()
+        fetching.join(TIMEOUT)
+    assert not fetching.is_alive()
