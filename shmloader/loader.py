@@ -129,17 +129,23 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             it.rewindable(self._consumer_holds)
         return it
 
-    def _make_owed(self) -> None:
+    def _make_owed(self, iterating: bool = True) -> None:
         """Make the sampler draws a resumed ``num_workers=0`` epoch still owes the saved run
         (:class:`~shmloader.single.OwedDraws`): before the next iterator draws, or a state
-        takes where the next epoch's draws start."""
-        owed, self._owed = self._owed, None
-        if owed is not None:
-            try:
-                owed.make()
-            except BaseException:
-                self._owed = owed  # (a Ctrl-C in a draw: the rest still owed; review 77)
-                raise
+        takes where the next epoch's draws start (``iterating=False``), that only on the thread
+        that iterates: the draws set the process's global RNGs for their length, which another
+        thread's own draws would see (review 78: a checkpoint thread's state_dict() disturbed
+        the training thread's); a state another thread takes then records the next epoch's
+        start without them (README)."""
+        owed = self._owed
+        if owed is None or not (iterating or owed.thread == threading.get_ident()):
+            return
+        self._owed = None
+        try:
+            owed.make()
+        except BaseException:
+            self._owed = owed  # (a Ctrl-C in a draw: the rest still owed; review 77)
+            raise
 
     def _current(self) -> Any:
         """The latest iterator (a multi-worker one inherited through fork is the parent's: its
@@ -195,7 +201,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                     "workers": [], "replicas": None,
                 }  # fmt: skip
             if body["epoch_start"] is None:  # between epochs: where the next epoch's draws start
-                self._make_owed()  # (after those the last epoch owed: review 77)
+                self._make_owed(iterating=False)  # (after those the last epoch owed: review 77)
                 body["epoch_start"] = S.EpochStart.capture(self).as_dict()
             main_rng = body.pop("main_rng", None)
             rewound = body.pop("rewound_rngs", [])

@@ -41,20 +41,24 @@ def frameless(
     review 75). The tracebacks of ``error`` and of the exceptions it chains to (``__cause__``,
     ``__context__``, an exception group's members) are cleared, but for ``handled`` and what it
     chains to (the exception the caller was handling: the user's own, whose traceback is
-    theirs; review 77); what they said goes in a note after ``where``. Never raises: an
-    exception that refuses the note (a frozen dataclass) is kept without it."""
-    told = "".join(traceback.format_exception(error)).rstrip()
-    chain: list[BaseException | None] = [error]
-    seen: set[int] = set() if handled is None else {id(handled)}
-    while chain:
-        e = chain.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        e.with_traceback(None)  # (not `e.__traceback__ = None`: a frozen class refuses that)
-        chain += [e.__cause__, e.__context__]
-        if _GROUP is not None and isinstance(e, _GROUP):
-            chain += e.exceptions
-    with contextlib.suppress(Exception):
+    theirs; review 77), whose link from the chain is cut (raised later, the error takes the
+    context of then); what they said goes in a note after ``where``. Never raises: what an
+    exception refuses (its note, say, a frozen dataclass) it is kept without."""
+    with contextlib.suppress(Exception):  # (an exception class may refuse any of it)
+        told = "".join(traceback.format_exception(error)).rstrip()
+        chain: list[BaseException | None] = [error]
+        seen: set[int] = set() if handled is None else {id(handled)}
+        while chain:
+            e = chain.pop()
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            e.with_traceback(None)  # (not `e.__traceback__ = None`: a frozen class refuses it)
+            if handled is not None and e.__context__ is handled:
+                # raised later, it takes the context of then, as the saved run's did (review 78)
+                e.__context__ = None
+            chain += [e.__cause__, e.__context__]
+            if _GROUP is not None and isinstance(e, _GROUP):
+                chain += e.exceptions
         add_note(error, f"({where}; where it was raised:)\n{told}")
     return error

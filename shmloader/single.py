@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import weakref
 from collections import deque
 from typing import Any
 
@@ -285,7 +284,7 @@ class OwedDraws:
         self.sampler_iter = it._sampler_iter
         self.rewound = it._rewound
         self.lock = it._lock
-        self.iterator = weakref.ref(it)
+        self.thread = threading.get_ident()  # the thread that iterates (its iter() made it)
 
     def make(self) -> None:
         """Make the draws, unless the iterator is inside a fetch in another thread (it is alive

@@ -1776,3 +1776,62 @@ def test_iter_leaves_the_draws_a_resumed_epoch_owes_to_it_while_another_thread_f
         data.gate.set()
         fetching.join(TIMEOUT)
     assert not fetching.is_alive()
+
+
+class DrawsByThread(Sampler[list[int]]):
+    """GeneratorBatches' batches, noting the thread of every draw."""
+
+    def __init__(self) -> None:
+        self.batches = GeneratorBatches()
+        self.threads: list[int] = []
+
+    def __len__(self) -> int:
+        return N // 2
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            self.threads.append(threading.get_ident())
+            yield batch
+
+
+def test_a_checkpoint_threads_state_makes_no_draw_a_left_resumed_epoch_owed() -> None:
+    """Review 78: with num_workers=0, a state_dict() between a resumed epoch left at once and
+    the next iter() made the draws that epoch still owed, setting the process's global RNGs
+    for their length: taken by a checkpoint thread, that disturbed the training thread's own
+    draws. Only the iterating thread makes them (on another thread the state records the next
+    epoch's start without them, as the README says); the next iter() makes them."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_sampler=DrawsByThread())
+
+    seed_all(0)
+    seen, state = _train(make(), 3, [5, None], save_after=5, draws=False)
+    assert state is not None and len(state["rewound_rngs"]) > 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    iter(DevicePrefetcher(resumed, "cuda", depth=3, engine=CloningEngine()))  # left at once
+    sampler: DrawsByThread = resumed.batch_sampler  # type: ignore[assignment]
+    before = len(sampler.threads)
+    saved: list[dict[str, Any]] = []
+    checkpoint = threading.Thread(target=lambda: saved.append(resumed.state_dict()))
+    checkpoint.start()
+    checkpoint.join(TIMEOUT)
+    assert saved and not saved[0]["in_epoch"]
+    assert len(sampler.threads) == before  # no draw on the checkpoint thread
+    assert [batch_bytes(b) for b in resumed] == [s[0] for s in seen[5:]]
+    assert set(sampler.threads) == {threading.get_ident()}
+
+
+def test_a_kept_sampler_error_is_raised_without_the_exception_handled_at_iter() -> None:
+    """Review 78: the sampler's error a resumed iter() drew ahead, while the user handled an
+    exception of their own, kept that exception as its __context__: raised at its turn, much
+    later, it said it came while handling it. It takes the context of its turn, as the saved
+    run's did."""
+    resumed, _ = _raised_then_resumed(2)
+    try:
+        raise LookupError("the user's own, handled while calling iter()")
+    except LookupError:
+        it = iter(resumed)
+    with pytest.raises(ValueError, match="sampler failed at 16") as raised:
+        while True:
+            next(it)
+    assert not isinstance(raised.value.__context__, LookupError)

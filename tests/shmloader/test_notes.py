@@ -5,7 +5,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from shmloader.notes import add_note
+from shmloader.notes import add_note, frameless
 
 
 def test_a_note_is_printed_after_the_message_and_leaves_the_message_alone():
@@ -26,3 +26,40 @@ def test_without_add_note_the_notes_are_kept_where_311_keeps_them():
     add_note(error, "first")  # type: ignore[arg-type]
     add_note(error, "second")  # type: ignore[arg-type]
     assert error.__notes__ == ["first", "second"]
+
+
+class _Refusing(Exception):
+    def with_traceback(self, tb):  # type: ignore[no-untyped-def]
+        raise TypeError("with_traceback refused")
+
+
+def test_frameless_never_raises_for_an_exception_that_refuses_its_steps():
+    """Review 78: an exception class whose with_traceback() raises made a resumed iter() raise
+    that TypeError in place of keeping the sampler's error for its turn."""
+    try:
+        raise _Refusing("kept")
+    except _Refusing as e:
+        error = e
+    assert frameless(error, "kept for later") is error
+    assert str(error) == "kept"
+
+
+def test_frameless_keeps_no_frame_and_cuts_the_link_to_the_exception_being_handled():
+    """Review 75, 77, 78: the error and what it chains to lose their frames, but for the
+    exception the caller handles (the user's), which keeps its own and is no longer linked."""
+    try:
+        raise LookupError("the user's")
+    except LookupError as handled:
+        try:
+            try:
+                raise KeyError("inner")
+            except KeyError as inner:
+                raise ValueError("outer") from inner
+        except ValueError as e:
+            error = e
+        kept = frameless(error, "kept for later", handled)
+        assert handled.__traceback__ is not None
+    assert kept.__traceback__ is None
+    assert isinstance(kept.__cause__, KeyError) and kept.__cause__.__traceback__ is None
+    assert kept.__cause__.__context__ is None  # (it was the user's exception)
+    assert "raise ValueError" in "".join(kept.__notes__)
