@@ -133,12 +133,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Make the sampler draws a resumed ``num_workers=0`` epoch still owes the saved run
         (:class:`~shmloader.single.OwedDraws`): before the next iterator draws, or a state
         takes where the next epoch's draws start (``iterating=False``), that only on the thread
-        that iterates: the draws set the process's global RNGs for their length, which another
-        thread's own draws would see (review 78: a checkpoint thread's state_dict() disturbed
-        the training thread's); a state another thread takes then records the next epoch's
-        start without them (README)."""
+        whose ``iter()`` made the resumed iterator: the draws set the process's global RNGs for
+        their length, which another thread's own draws would see (review 78: a checkpoint
+        thread's state_dict() disturbed the training thread's); a state another thread takes
+        then records the next epoch's start without them (README)."""
         owed = self._owed
-        if owed is None or not (iterating or owed.thread == threading.get_ident()):
+        if owed is None or not (iterating or owed.thread() is threading.current_thread()):
             return
         self._owed = None
         try:
@@ -179,7 +179,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         batches an uninterrupted run yields next. Small, picklable, ``torch.save``-able; see
         :mod:`shmloader.state` for its fields. Any thread may call it while another iterates:
         it waits for the ``iter()`` or ``next()`` under way, and describes the loader as that
-        call left it."""
+        call left it (but for one case, with ``num_workers=0``: between a resumed epoch left
+        before it made again every draw its state rewound and the next ``iter()``, a state
+        taken on another thread than the one whose ``iter()`` made that epoch records the next
+        epoch's start without those draws; see :meth:`_make_owed`)."""
         with self._one_at_a_time("state_dict()"):
             it = self._current()
             if self._plan is not None:  # loaded, not iterated yet: the state it loaded

@@ -17,6 +17,10 @@ import traceback
 from typing import Any
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # (Python 3.11+)
+# BaseException's own descriptors: through them, a class whose __setattr__ refuses (a frozen
+# dataclass) still has its context read and cut
+_CONTEXT: Any = vars(BaseException)["__context__"]
+_CAUSE: Any = vars(BaseException)["__cause__"]
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -44,21 +48,32 @@ def frameless(
     theirs; review 77), whose link from the chain is cut (raised later, the error takes the
     context of then); what they said goes in a note after ``where``. Never raises: what an
     exception refuses (its note, say, a frozen dataclass) it is kept without."""
-    with contextlib.suppress(Exception):  # (an exception class may refuse any of it)
+    told = None
+    with contextlib.suppress(Exception):  # (an exception class may refuse any step: each alone)
         told = "".join(traceback.format_exception(error)).rstrip()
-        chain: list[BaseException | None] = [error]
-        seen: set[int] = set() if handled is None else {id(handled)}
-        while chain:
-            e = chain.pop()
-            if e is None or id(e) in seen:
-                continue
-            seen.add(id(e))
-            e.with_traceback(None)  # (not `e.__traceback__ = None`: a frozen class refuses it)
-            if handled is not None and e.__context__ is handled:
+    chain: list[BaseException | None] = [error]
+    seen: set[int] = set() if handled is None else {id(handled)}
+    while chain:
+        e = chain.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        with contextlib.suppress(Exception):
+            BaseException.with_traceback(e, None)  # (not e's own: a class may override it)
+        with contextlib.suppress(Exception):
+            if handled is not None and _CONTEXT.__get__(e) is handled:
                 # raised later, it takes the context of then, as the saved run's did (review 78)
-                e.__context__ = None
-            chain += [e.__cause__, e.__context__]
-            if _GROUP is not None and isinstance(e, _GROUP):
-                chain += e.exceptions
-        add_note(error, f"({where}; where it was raised:)\n{told}")
+                _CONTEXT.__set__(e, None)
+        with contextlib.suppress(Exception):
+            chain += [_CAUSE.__get__(e), _CONTEXT.__get__(e)]
+        if _GROUP is not None and isinstance(e, _GROUP):
+            chain += e.exceptions
+    if told is not None:
+        note = f"({where}; where it was raised:)\n{told}"
+        try:
+            add_note(error, note)
+        except Exception:  # noqa: BLE001  (a frozen dataclass: past its __setattr__)
+            with contextlib.suppress(Exception):
+                notes = getattr(error, "__notes__", None)
+                object.__setattr__(error, "__notes__", [*(notes or ()), note])
     return error

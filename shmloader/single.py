@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -284,7 +285,8 @@ class OwedDraws:
         self.sampler_iter = it._sampler_iter
         self.rewound = it._rewound
         self.lock = it._lock
-        self.thread = threading.get_ident()  # the thread that iterates (its iter() made it)
+        # The thread whose iter() made it (a reference, not its id: ids are reused; review 79)
+        self.thread = weakref.ref(threading.current_thread())
 
     def make(self) -> None:
         """Make the draws, unless the iterator is inside a fetch in another thread (it is alive

@@ -35,8 +35,10 @@ data) that ``torch.save`` stores and ``torch.load(weights_only=True)`` reads bac
                   first of those draws, which a resumed loader made from it one after another)
 
 Invariant: resuming from a state yields, bit for bit, the batches an uninterrupted run yields
-after the save point (``in_order=True``); the epoch's sampler draws are replayed from
-``epoch_start`` without touching the process's global RNGs, which ``main_rng`` then sets.
+after the save point (``in_order=True``; what README's "Resuming mid-epoch" lists aside, such
+as a state another thread takes with ``num_workers=0`` after a resumed epoch was left early and
+before the next ``iter()``); the epoch's sampler draws are replayed from ``epoch_start``
+without touching the process's global RNGs, which ``main_rng`` then sets.
 """
 
 from __future__ import annotations

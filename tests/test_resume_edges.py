@@ -1835,3 +1835,63 @@ def test_a_kept_sampler_error_is_raised_without_the_exception_handled_at_iter() 
         while True:
             next(it)
     assert not isinstance(raised.value.__context__, LookupError)
+
+
+def test_a_thread_that_reuses_the_iterating_threads_id_makes_no_owed_draw() -> None:
+    """Review 79: the thread allowed to make the draws a left resumed epoch owed (review 78) was
+    matched by its id, which a thread started after it exited often reuses: a checkpoint
+    thread's state_dict() then made them, setting the global RNGs under the training thread."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_sampler=DrawsByThread())
+
+    seed_all(0)
+    _, state = _train(make(), 3, [5, None], save_after=5, draws=False)
+    assert state is not None and len(state["rewound_rngs"]) > 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    ids: dict[str, int] = {}
+
+    def run(name: str, step: Callable[[], Any]) -> None:
+        def body() -> None:
+            ids[name] = threading.get_ident()
+            step()
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join(TIMEOUT)
+
+    # the resumed epoch iterated (and left at once) in a thread that then exits
+    run("iterated", lambda: iter(DevicePrefetcher(resumed, "cuda", depth=3,
+                                                  engine=CloningEngine())))
+    sampler: DrawsByThread = resumed.batch_sampler  # type: ignore[assignment]
+    before = len(sampler.threads)
+    run("checkpoint", resumed.state_dict)
+    assert len(sampler.threads) == before, (ids, "the checkpoint thread made the owed draws")
+
+
+def test_a_frozen_sampler_error_kept_ahead_is_cut_from_the_exception_handled_at_iter() -> None:
+    """Review 79: cutting the kept error's link to the exception the user handled at iter()
+    (review 78) assigned __context__, which a frozen dataclass refuses; the rest of the walk
+    and the note were skipped too, and at its turn the error still came chained to the user's
+    exception (and, through its frames, kept the iterator and its workers)."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(), batch_size=2, sampler=RaisesFrozenAt(), num_workers=2,
+                          timeout=TIMEOUT)
+
+    seed_all(0)
+    loader = make()
+    batches = iter(DevicePrefetcher(loader, "cuda", depth=2, engine=CloningEngine()))
+    for _ in range(3):
+        next(batches)
+    state = roundtrip(loader.state_dict())
+    del batches, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    try:
+        raise LookupError("the user's own, handled while calling iter()")
+    except LookupError:
+        it = iter(resumed)
+    with pytest.raises(FrozenError) as raised:
+        while True:
+            next(it)
+    assert not isinstance(raised.value.__context__, LookupError)
+    assert "where it was raised" in "".join(getattr(raised.value, "__notes__", []))
