@@ -560,6 +560,19 @@ def _train(loader: DataLoader[Any], depth: int | None, steps: list[int | None],
     return seen, state
 
 
+def _resumes_exactly(make: Callable[[], DataLoader[Any]], depth: int, save_after: int) -> None:
+    """Two epochs of ``_train`` behind a prefetcher of ``depth``, the state saved after
+    ``save_after`` batches (some rewound), and a loader resumed from it: the same batches."""
+    seed_all(0)
+    seen, state = _train(make(), depth, [None, None], save_after=save_after, draws=False)
+    assert state is not None and state["rewound_rngs"]
+    seed_all(1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got, _ = _train(resumed, depth, [None, None], draws=False)
+    assert got == seen[save_after:]
+
+
 @pytest.mark.parametrize("case", ["0 workers", "2 workers", "persistent"])
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("leaves", [True, False], ids=["epoch left at the save", "epoch goes on"])
@@ -1272,10 +1285,12 @@ def test_a_sampler_drawing_from_its_generator_as_it_goes_resumes_the_epochs_afte
 
 
 class RaisesAt(Sampler[int]):
-    """Yields 0, 1, ... and raises at index ``at`` (a generator: it ends there)."""
+    """Yields 0, 1, ... and raises ``error(at)`` at index ``at`` (a generator: it ends there);
+    by default a ValueError caused by a KeyError."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, error: Callable[[int], Exception] | None = None) -> None:
         self.at = at
+        self.error = error
 
     def __len__(self) -> int:
         return N
@@ -1283,19 +1298,23 @@ class RaisesAt(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         for i in range(N):
             if i == self.at:
+                if self.error is not None:
+                    raise self.error(i)
                 raise ValueError(f"sampler failed at {i}") from KeyError(i)
             yield i
 
 
-def _outcomes(batches: Iterator[Any]) -> list[bytes | str]:
-    """Every batch, and every error in its place, until the end."""
+def _outcomes(
+    batches: Iterator[Any], errors: tuple[type[Exception], ...] = (ValueError,)
+) -> list[bytes | str]:
+    """Every batch, and every error of ``errors`` (its text) in its place, until the end."""
     out: list[bytes | str] = []
     while True:
         try:
             out.append(batch_bytes(next(batches)))
         except StopIteration:
             return out
-        except ValueError as e:
+        except errors as e:
             out.append(str(e))
 
 
@@ -1397,14 +1416,7 @@ def test_index_objects_keep_their_identity_when_a_resumed_epoch_draws_them_again
         data = ByKey()
         return DataLoader(data, batch_size=2, sampler=HandleSampler(data.keys))
 
-    seed_all(0)
-    seen, state = _train(make(), 3, [None, None], save_after=5, draws=False)
-    assert state is not None and state["rewound_rngs"]
-    seed_all(1)
-    resumed = make()
-    resumed.load_state_dict(state)
-    got, _ = _train(resumed, 3, [None, None], draws=False)
-    assert got == seen[5:]
+    _resumes_exactly(make, 3, save_after=5)
 
 
 class InterruptedOnce(Sampler[list[int]]):
@@ -1553,14 +1565,7 @@ def test_index_objects_reach_the_dataset_as_the_sampler_yielded_them_after_a_res
         return DataLoader(ByIndexObject(), batch_size=None, sampler=OneIndexObject(kind),
                           num_workers=workers, timeout=TIMEOUT if workers else 0)
 
-    seed_all(0)
-    seen, state = _train(make(), 2, [None, None], save_after=3, draws=False)
-    assert state is not None and state["rewound_rngs"]
-    seed_all(5)
-    resumed = make()
-    resumed.load_state_dict(state)
-    got, _ = _train(resumed, 2, [None, None], draws=False)
-    assert got == seen[3:]
+    _resumes_exactly(make, 2, save_after=3)
 
 
 def _own_generator_loader() -> DataLoader[Any]:
@@ -1615,34 +1620,12 @@ class FrozenError(Exception):
     code: int
 
 
-class RaisesFrozenAt(Sampler[int]):
-    def __len__(self) -> int:
-        return N
-
-    def __iter__(self) -> Iterator[int]:
-        for i in range(N):
-            if i == 16:
-                raise FrozenError(i)
-            yield i
-
-
-def _frozen_outcomes(batches: Iterator[Any]) -> list[bytes | int]:
-    out: list[bytes | int] = []
-    while True:
-        try:
-            out.append(batch_bytes(next(batches)))
-        except StopIteration:
-            return out
-        except FrozenError as e:
-            out.append(e.code)
-
-
 def test_a_sampler_error_that_refuses_a_traceback_is_raised_at_its_turn_after_a_resume() -> None:
     """Review 77: keeping the sampler's error without frames assigned its __traceback__, which
     a frozen dataclass refuses: the FrozenInstanceError left the resumed iter(), and the
     sampler's own error was lost."""
     def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_size=2, sampler=RaisesFrozenAt(), num_workers=2,
+        return DataLoader(Augment(), batch_size=2, sampler=RaisesAt(16, FrozenError), num_workers=2,
                           timeout=TIMEOUT)
 
     seed_all(0)
@@ -1650,11 +1633,12 @@ def test_a_sampler_error_that_refuses_a_traceback_is_raised_at_its_turn_after_a_
     batches = iter(DevicePrefetcher(loader, "cuda", depth=2, engine=CloningEngine()))
     seen = [batch_bytes(next(batches)) for _ in range(3)]
     state = roundtrip(loader.state_dict())
-    after = _frozen_outcomes(batches)
-    assert 16 in after
+    after = _outcomes(batches, (FrozenError,))
+    assert "16" in after
     resumed = make()
     resumed.load_state_dict(state)
-    got = _frozen_outcomes(iter(DevicePrefetcher(resumed, "cuda", depth=2, engine=CloningEngine())))
+    got = _outcomes(iter(DevicePrefetcher(resumed, "cuda", depth=2, engine=CloningEngine())),
+                    (FrozenError,))
     assert got == after and seen
 
 
@@ -1874,7 +1858,7 @@ def test_a_frozen_sampler_error_kept_ahead_is_cut_from_the_exception_handled_at_
     and the note were skipped too, and at its turn the error still came chained to the user's
     exception (and, through its frames, kept the iterator and its workers)."""
     def make() -> DataLoader[Any]:
-        return DataLoader(Augment(), batch_size=2, sampler=RaisesFrozenAt(), num_workers=2,
+        return DataLoader(Augment(), batch_size=2, sampler=RaisesAt(16, FrozenError), num_workers=2,
                           timeout=TIMEOUT)
 
     seed_all(0)
