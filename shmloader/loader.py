@@ -34,7 +34,7 @@ from shmloader.epoch import ShmDataLoaderIter
 from shmloader.host import ArenaHost
 from shmloader.onethread import inside, reentered, reset_after_fork
 from shmloader.options import arena_options
-from shmloader.single import OwedDraws, SingleProcessIter
+from shmloader.single import OwedDraws, SingleProcessIter, thread_token
 from shmloader.stats import LoaderStats, dist_rank, no_arena
 
 T_co = TypeVar("T_co", covariant=True)
@@ -138,7 +138,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         thread's state_dict() disturbed the training thread's); a state another thread takes
         then records the next epoch's start without them (README)."""
         owed = self._owed
-        if owed is None or not (iterating or owed.thread() is threading.current_thread()):
+        if owed is None or not (iterating or owed.thread() is thread_token()):
             return
         self._owed = None
         try:

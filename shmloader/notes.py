@@ -66,8 +66,9 @@ def frameless(
                 _CONTEXT.__set__(e, None)
         with contextlib.suppress(Exception):
             chain += [_CAUSE.__get__(e), _CONTEXT.__get__(e)]
-        if _GROUP is not None and isinstance(e, _GROUP):
-            chain += e.exceptions
+        with contextlib.suppress(Exception):  # (the group's own members, not a subclass's)
+            if _GROUP is not None and issubclass(type(e), _GROUP):
+                chain += vars(_GROUP)["exceptions"].__get__(e)
     if told is not None:
         note = f"({where}; where it was raised:)\n{told}"
         try:

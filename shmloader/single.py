@@ -285,8 +285,10 @@ class OwedDraws:
         self.sampler_iter = it._sampler_iter
         self.rewound = it._rewound
         self.lock = it._lock
-        # The thread whose iter() made it (a reference, not its id: ids are reused; review 79)
-        self.thread = weakref.ref(threading.current_thread())
+        # The thread whose iter() made it: a token of that thread's own, gone with it (not its
+        # id, which a later thread reuses: review 79; nor its Thread object, which a later
+        # thread not started by `threading` may be handed again: review 80)
+        self.thread = weakref.ref(thread_token())
 
     def make(self) -> None:
         """Make the draws, unless the iterator is inside a fetch in another thread (it is alive
@@ -314,3 +316,18 @@ class OwedDraws:
             except Exception:  # noqa: BLE001  (StopIteration, or the sampler's: at its fetch)
                 return
             pending[k] = (rng, index, after)
+
+
+class _Token:
+    """A thread's own object (weak references to it die with the thread)."""
+
+
+_here = threading.local()
+
+
+def thread_token() -> _Token:
+    """This thread's token: the same object for the thread's life, freed when it ends."""
+    token = getattr(_here, "token", None)
+    if token is None:
+        token = _here.token = _Token()
+    return token

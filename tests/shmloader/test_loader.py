@@ -411,3 +411,33 @@ class Rows(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return np.arange(3, dtype=np.float32) + 10 * i
+
+
+def test_a_thread_token_is_its_threads_own_even_for_threads_threading_did_not_start():
+    """Review 80: the thread allowed to make a resumed epoch's owed draws was matched by its
+    Thread object, which threading hands again to a later thread it did not start (a
+    C-extension callback) that reuses the dead one's id. Each thread has a token of its own."""
+    import _thread
+    import threading
+    import weakref
+
+    from shmloader.single import thread_token
+
+    first: list[weakref.ref] = []  # type: ignore[type-arg]
+    seen: list[bool] = []
+    done = [threading.Event(), threading.Event()]
+
+    def record() -> None:
+        first.append(weakref.ref(thread_token()))
+        done[0].set()
+
+    def compare() -> None:
+        seen.append(first[0]() is thread_token())
+        done[1].set()
+
+    _thread.start_new_thread(record, ())
+    assert done[0].wait(10)
+    _thread.start_new_thread(compare, ())
+    assert done[1].wait(10)
+    assert seen == [False]
+    assert thread_token() is thread_token()  # one per thread for its life

@@ -63,3 +63,22 @@ def test_frameless_keeps_no_frame_and_cuts_the_link_to_the_exception_being_handl
     assert isinstance(kept.__cause__, KeyError) and kept.__cause__.__traceback__ is None
     assert kept.__cause__.__context__ is None  # (it was the user's exception)
     assert "raise ValueError" in "".join(kept.__notes__)
+
+
+class _OddGroup(ExceptionGroup):  # type: ignore[type-arg]  # noqa: F821  (Python 3.11+)
+    @property
+    def exceptions(self):  # type: ignore[no-untyped-def, override]
+        raise RuntimeError("exceptions refused")
+
+
+def test_frameless_walks_an_exception_groups_own_members_and_never_raises():
+    """Review 80: a group subclass whose ``exceptions`` raised made frameless raise (and with
+    it every resumed iter()); the base class's members are walked."""
+    try:
+        raise KeyError("member")
+    except KeyError as e:
+        member = e
+    group = _OddGroup("group", [member])
+    assert member.__traceback__ is not None
+    assert frameless(group, "kept for later") is group
+    assert member.__traceback__ is None
