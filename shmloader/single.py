@@ -48,7 +48,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         self._rngs_before: deque[bytes] | None = None
         # A resumed epoch's fetches that a state saved behind a DevicePrefetcher rewound: the
         # global RNGs before each, as they were in the saved run (resume_state()); or, once its
-        # index is drawn again (_draw_ahead()), those RNGs, the index, and the RNGs after it.
+        # index was drawn because another epoch began first (OwedDraws), those RNGs, the index,
+        # and the RNGs after the draw.
         self._rewound: deque[bytes | tuple[bytes, Any, bytes]] = deque()
         self._drawn: tuple[Any] | None = None  # the index the next _next_index() returns
         resumed = plan is not None and plan["in_epoch"]
@@ -154,7 +155,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter, HeldUnseen):
         outer = before = None
         if rewound is not None:
             # A fetch the saved run had made ahead, behind a DevicePrefetcher: made again from
-            # the global RNGs it started from then (after its index, drawn again already), and
+            # the global RNGs it started from then (after its index, if OwedDraws drew it), and
             # leaving them as they are (the saved run's draws since, the training loop's
             # included, are in the state's main_rng).
             outer = rngstate.capture()

@@ -1696,6 +1696,20 @@ class _Batches:
         return torch.randint(N, (2,), generator=self.sampler.generator).tolist()
 
 
+def _saved_at_5_and_loaded(
+    make: Callable[[], DataLoader[Any]],
+) -> tuple[list[tuple[bytes, float, float]], dict[str, Any], DataLoader[Any]]:
+    """A run of ``make()`` behind a prefetcher of depth 3 that leaves its first epoch at the
+    save (after 5 batches, some drawn ahead), then one more epoch: what it saw, the state, and
+    a fresh loader that loaded it."""
+    seed_all(0)
+    seen, state = _train(make(), 3, [5, None], save_after=5, draws=False)
+    assert state is not None and len(state["rewound_rngs"]) > 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    return seen, state, resumed
+
+
 def test_a_ctrl_c_in_the_draws_a_left_epoch_owed_keeps_the_rest_owed() -> None:
     """Review 77: with num_workers=0, a Ctrl-C in one of the draws a resumed epoch left at once
     still owed, made as the next iterator starts, dropped the rest: the next epoch drew from a
@@ -1703,11 +1717,7 @@ def test_a_ctrl_c_in_the_draws_a_left_epoch_owed_keeps_the_rest_owed() -> None:
     def make() -> DataLoader[Any]:
         return DataLoader(Augment(), batch_sampler=GeneratorBatches())
 
-    seed_all(0)
-    seen, state = _train(make(), 3, [5, None], save_after=5, draws=False)  # left at the save
-    assert state is not None and len(state["rewound_rngs"]) > 2
-    resumed = make()
-    resumed.load_state_dict(state)
+    seen, state, resumed = _saved_at_5_and_loaded(make)
     iter(DevicePrefetcher(resumed, "cuda", depth=3, engine=CloningEngine()))  # left at once
     resumed.batch_sampler.interrupt_at = state["yielded"] + 1  # type: ignore[union-attr]
     with pytest.raises(KeyboardInterrupt):
@@ -1787,11 +1797,7 @@ def test_a_checkpoint_threads_state_makes_no_draw_a_left_resumed_epoch_owed() ->
     def make() -> DataLoader[Any]:
         return DataLoader(Augment(), batch_sampler=DrawsByThread())
 
-    seed_all(0)
-    seen, state = _train(make(), 3, [5, None], save_after=5, draws=False)
-    assert state is not None and len(state["rewound_rngs"]) > 2
-    resumed = make()
-    resumed.load_state_dict(state)
+    seen, _, resumed = _saved_at_5_and_loaded(make)
     iter(DevicePrefetcher(resumed, "cuda", depth=3, engine=CloningEngine()))  # left at once
     sampler: DrawsByThread = resumed.batch_sampler  # type: ignore[assignment]
     before = len(sampler.threads)
@@ -1828,11 +1834,7 @@ def test_a_thread_that_reuses_the_iterating_threads_id_makes_no_owed_draw() -> N
     def make() -> DataLoader[Any]:
         return DataLoader(Augment(), batch_sampler=DrawsByThread())
 
-    seed_all(0)
-    _, state = _train(make(), 3, [5, None], save_after=5, draws=False)
-    assert state is not None and len(state["rewound_rngs"]) > 2
-    resumed = make()
-    resumed.load_state_dict(state)
+    _, _, resumed = _saved_at_5_and_loaded(make)
     ids: dict[str, int] = {}
 
     def run(name: str, step: Callable[[], Any]) -> None:
