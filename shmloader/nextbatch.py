@@ -36,7 +36,7 @@ from shmloader.ending import Ending
 from shmloader.host import ArenaHost
 from shmloader.interrupts import DESIGNED, touched_the_books, unusable_after
 from shmloader.lease import Leases
-from shmloader.notes import frameless
+from shmloader.notes import frameless, reraise
 from shmloader.onethread import one_thread
 from shmloader.progress import SamplerProgress, WorkerProgress
 from shmloader.reorder import TaskInfo
@@ -224,7 +224,7 @@ class NextBatch(_BaseDataLoaderIter):
         if isinstance(answer, P.Failed):
             d.release(info.slots())
             self._safe = True
-            answer.error.reraise()
+            reraise(answer.error)
         self._safe = True  # an interruption from here on drops this batch, and nothing else
         batch = self._leases.open(answer)  # type: ignore[arg-type]  # releases the slot if the batch cannot be rebuilt
         host = self._host

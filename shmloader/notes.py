@@ -6,7 +6,13 @@ message (``BaseException.add_note``, Python 3.11+). On Python 3.10, which has no
 the note is kept in ``__notes__`` as 3.11 keeps it, and printed by nothing.
 
 :func:`frameless` keeps an error to raise later (a sampler's, drawn ahead of its turn) without
-the frames its traceback holds; where it was raised goes in a note.
+the frames its traceback holds; where it was raised goes in a note. :func:`reraise` raises what
+torch's ``ExceptionWrapper.reraise()`` raises (a worker's error, a custom ``pin_memory()``'s),
+without the reference cycle torch's frame makes.
+
+Invariant: an error shmloader raises to the user forms no reference cycle with the frames it
+passed, so an iterator the user drops after catching it goes with its last reference, its
+workers and slots with it, not at some later garbage collection.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # (Python 3.11+)
 # BaseException's own descriptors: through them, a class whose __setattr__ refuses (a frozen
@@ -78,3 +84,23 @@ def frameless(
                 notes = getattr(error, "__notes__", None)
                 object.__setattr__(error, "__notes__", [*(notes or ()), note])
     return error
+
+
+def reraise(wrapper: Any) -> NoReturn:
+    """Raise what ``wrapper.reraise()`` raises (torch's ``ExceptionWrapper``, or a
+    ``MainError``), with the same type, words and traceback, but with the locals of the frames
+    it was raised in cleared: torch's ``reraise`` keeps the exception it raises in a local, so
+    the exception's traceback held the frame that held the exception, a cycle through which the
+    traceback's other frames (the iterator's own ``next()``) kept a dropped iterator, its workers
+    and its slots alive until a garbage collection (review 81)."""
+    try:
+        wrapper.reraise()
+    except BaseException as error:
+        tb = error.__traceback__
+        tb = None if tb is None else tb.tb_next  # (this frame's entry: still running)
+        while tb is not None:
+            with contextlib.suppress(RuntimeError):  # (a frame still running: none here)
+                tb.tb_frame.clear()
+            tb = tb.tb_next
+        raise
+    raise TypeError(f"{type(wrapper).__name__}.reraise() returned instead of raising")

@@ -24,6 +24,7 @@ import torch
 
 from arena import Slab, userwarn
 from shmloader._torch_compat import pin_memory, wrap_current_exception
+from shmloader.notes import reraise
 
 # cudaHostRegisterDefault; a slab is registered in chunks of at most this many bytes, since some
 # drivers reject very large single registrations.
@@ -125,10 +126,10 @@ class Pinner:
             return batch
         try:
             return pin_memory(batch, self.device)
-        except Exception:  # a custom pin_memory() raised: torch's pin thread wraps it so
+        except Exception:  # noqa: BLE001
+            # a custom pin_memory() raised: torch's pin thread wraps it so
             wrapped = wrap_current_exception(f"in pin memory thread for device {_device_index()}")
-            wrapped.reraise()  # type: ignore[no-untyped-call]
-            raise
+            reraise(wrapped)
 
     def close(self) -> None:
         """Unregister every chunk. Idempotent."""

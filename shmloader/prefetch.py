@@ -22,7 +22,11 @@ Invariants:
 - An error the loader raises, or the copy engine raises for a batch, reaches the user at that
   batch's turn, in its place, after the batches before it, and iteration may go on past it, as
   with the loader (the iteration is an iterator object, not a generator that an exception would
-  end).
+  end). Once raised, the error makes no reference cycle with this pass (review 81), so a pass
+  the user drops after catching it goes, the loader's iterator with it. One still queued when
+  the pass is dropped does: its traceback holds the frame that queued it, and so the pass, until
+  a garbage collection (clearing its traceback would cost the user the traceback of what they
+  were handling; review 77).
 - A host batch — and so its arena slot — is kept alive until its copy's event has completed
   (``query()`` true, or ``synchronize()`` at the end), so a recycled slot is never overwritten
   under an in-flight DMA (FFCV and SPDL do the same). Then the prefetcher lets go of it. When
@@ -289,7 +293,12 @@ class _Prefetching:
                     self.taken += item.consumed
                     self._handed_unseen(item.consumed)
                     self._tell()
-                    raise item.error
+                    error = item.error
+                    del item  # raised, the error's traceback holds this frame: no local of it
+                    try:  # may hold the error (a cycle that kept the loader's iterator alive
+                        raise error  # until a garbage collection; review 81)
+                    finally:
+                        del error
                 self.taken += 1
                 self._handed_unseen(1)
                 try:

@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -83,6 +86,24 @@ def test_a_custom_pin_memory_error_is_wrapped_as_torchs_pin_thread_wraps_it():
     pinner = Pinner(True, "cuda", FakeRegistrar())
     with pytest.raises(ValueError, match=r"Caught ValueError in pin memory thread for device 0\."):
         pinner.pin(RefusesPinning())
+
+
+def test_a_custom_pin_memory_error_keeps_no_cycle_to_the_batch():
+    """Review 81: torch's ``reraise`` keeps the exception it raises in a local of its frame, which
+    the exception's traceback holds: a cycle that kept the batch (and, in the loader, the
+    iterator whose ``next()`` frames the traceback holds) alive until a garbage collection."""
+    pinner = Pinner(True, "cuda", FakeRegistrar())
+    batch = RefusesPinning()
+    gone = weakref.ref(batch)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="in pin memory thread"):
+            pinner.pin(batch)
+        del batch
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 @pytest.fixture
