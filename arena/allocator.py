@@ -437,7 +437,10 @@ class Arena:
                 slab.segment.punch(0, slab.size)
             slab.close()
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:  # (a local holding the error its traceback holds this frame by: a
+                failed = None  # cycle that kept the caller alive until a collection; review 81)
         return idle
 
     def _forget_slab(self, slab_id: int) -> Slab:
@@ -671,7 +674,10 @@ class Arena:
         for slab in slabs:
             slab.close()
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:
+                failed = None  # (as in give_back_idle)
 
     def __repr__(self) -> str:
         return (

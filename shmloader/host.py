@@ -270,4 +270,7 @@ def _every(*steps: Callable[[], object]) -> None:
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other steps
             first = first or e
     if first is not None:
-        raise first
+        try:
+            raise first
+        finally:  # (a local holding the error its traceback holds this frame by: a cycle;
+            first = None  # review 81)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import traceback
 from typing import Any, NoReturn
 
@@ -57,6 +58,22 @@ def frameless(
     told = None
     with contextlib.suppress(Exception):  # (an exception class may refuse any step: each alone)
         told = "".join(traceback.format_exception(error)).rstrip()
+    traceless(error, handled)
+    if told is not None:
+        note = f"({where}; where it was raised:)\n{told}"
+        try:
+            add_note(error, note)
+        except Exception:  # noqa: BLE001  (a frozen dataclass: past its __setattr__)
+            with contextlib.suppress(Exception):
+                notes = getattr(error, "__notes__", None)
+                object.__setattr__(error, "__notes__", [*(notes or ()), note])
+    return error
+
+
+def traceless(error: BaseException, handled: BaseException | None = None) -> BaseException:
+    """``error`` with the tracebacks of it and of the exceptions it chains to cleared
+    (:func:`frameless`'s first step, without the note), but for ``handled`` and what it chains
+    to, whose link from the chain is cut. Never raises."""
     chain: list[BaseException | None] = [error]
     seen: set[int] = set() if handled is None else {id(handled)}
     while chain:
@@ -75,15 +92,28 @@ def frameless(
         with contextlib.suppress(Exception):  # (the group's own members, not a subclass's)
             if _GROUP is not None and issubclass(type(e), _GROUP):
                 chain += vars(_GROUP)["exceptions"].__get__(e)
-    if told is not None:
-        note = f"({where}; where it was raised:)\n{told}"
-        try:
-            add_note(error, note)
-        except Exception:  # noqa: BLE001  (a frozen dataclass: past its __setattr__)
-            with contextlib.suppress(Exception):
-                notes = getattr(error, "__notes__", None)
-                object.__setattr__(error, "__notes__", [*(notes or ()), note])
     return error
+
+
+def raise_kept(error: BaseException) -> NoReturn:
+    """Raise ``error``, kept (:func:`traceless`) to be raised at every use, as a copy with its
+    words, notes and chain: raised itself, it would keep each raise's traceback, whose frames
+    hold the caller (an iterator whose sampler asked a broken dataset for its length, its
+    workers and slots with it) for as long as the keeper keeps the error (review 81). One that
+    cannot be copied is raised itself."""
+    try:
+        fresh = copy.copy(error)
+        BaseException.with_traceback(fresh, None)
+        fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
+        fresh.__suppress_context__ = error.__suppress_context__
+        if isinstance(getattr(fresh, "__notes__", None), list):
+            fresh.__notes__ = list(fresh.__notes__)  # (notes added to it stay its own)
+    except Exception:  # noqa: BLE001
+        fresh = error
+    try:
+        raise fresh
+    finally:
+        del fresh, error
 
 
 def reraise(wrapper: Any) -> NoReturn:

@@ -293,10 +293,13 @@ class _Prefetching:
                     self.taken += item.consumed
                     self._handed_unseen(item.consumed)
                     self._tell()
+                    # Raised, the error's traceback holds this frame: no local of it may hold
+                    # the error (a cycle that kept the loader's iterator alive until a garbage
+                    # collection; review 81).
                     error = item.error
-                    del item  # raised, the error's traceback holds this frame: no local of it
-                    try:  # may hold the error (a cycle that kept the loader's iterator alive
-                        raise error  # until a garbage collection; review 81)
+                    del item
+                    try:
+                        raise error
                     finally:
                         del error
                 self.taken += 1

@@ -21,7 +21,9 @@ from torch.utils.data import Dataset
 
 import shmloader
 from shmloader import DevicePrefetcher
+from shmloader.epoch import ShmDataLoaderIter
 from shmloader.prefetch import map_tensors
+from shmloader.single import SingleProcessIter
 from tests.lifetime_checks import frees_its_loaders_on_failure, states
 
 BAD = 5  # the sample that raises
@@ -134,3 +136,111 @@ def test_a_loader_retried_after_an_error_holds_one_iterators_slots(no_gc: None) 
             pass
         st = states(loader)
         assert st["free"] == sum(st.values()), st
+
+
+def _dropped_after_error(loader: shmloader.DataLoader[Any], error: type[BaseException]) -> bool:
+    """Iterate ``loader`` until it raises ``error``, drop the iterator: whether it is gone."""
+    it = iter(loader)
+    gone = weakref.ref(it)
+    with pytest.raises(error):
+        for batch in it:
+            del batch
+    del it
+    return gone() is None
+
+
+@pytest.mark.parametrize("column", ["ragged list", "null in the first row"])
+@frees_its_loaders_on_failure
+def test_arrow_collate_errors_keep_no_cycle_to_the_iterator(
+    column: str, tmp_path: Any, no_gc: None
+) -> None:
+    """Review 81: shmloader.arrow's own collate errors (raised in the main process without
+    workers) were kept in a local of the frame their traceback holds."""
+    pa = pytest.importorskip("pyarrow")
+    from shmloader.arrow import ArrowDataset
+    from tests.arrow_files import write_file
+
+    if column == "ragged list":
+        table = pa.table({"t": pa.array([list(range(i % 3)) for i in range(16)])})
+    else:
+        table = pa.table({"s": pa.array([None if i == 0 else f"x{i}" for i in range(16)])})
+    dataset = ArrowDataset(write_file(table, tmp_path / "t.arrow"))
+    loader = shmloader.DataLoader(dataset, batch_size=8)
+    assert _dropped_after_error(loader, RuntimeError if column == "ragged list" else TypeError)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@frees_its_loaders_on_failure
+def test_an_arrow_dataset_unpickled_after_its_file_changed_keeps_no_iterator(
+    workers: int, tmp_path: Any
+) -> None:
+    """Review 81: such a dataset raised the error it keeps itself, at every use, so the error
+    took the traceback of each raise: the dataset, alive with its loader, kept the last iterator
+    it failed in (with workers, its worker processes) even past a garbage collection. It raises
+    a copy, with the same words, each time."""
+    pa = pytest.importorskip("pyarrow")
+    import copy
+
+    import numpy as np
+
+    from shmloader.arrow import ArrowDataset, ArrowSourceError
+    from tests.arrow_files import write_file
+
+    path = write_file(pa.table({"y": np.arange(40)}), tmp_path / "t.arrow")
+    dataset = ArrowDataset(path)
+    write_file(pa.table({"y": np.full(40, 2)}), path)  # rewritten in place
+    broken = copy.deepcopy(dataset)  # (a pickle round trip, as a checkpoint or a spawn makes)
+    more: dict[str, Any] = {"num_workers": workers, "timeout": 30} if workers else {}
+    loader = shmloader.DataLoader(broken, batch_size=4, **more)
+    words = []
+    for _ in range(2):  # (with workers, iter() raises: the sampler's first draws ask len())
+        with pytest.raises(ArrowSourceError, match="changed since it was opened") as raised:
+            next(iter(loader))
+        words.append(str(raised.value))
+        del raised
+        gc.collect()
+        left = [o for o in gc.get_objects() if isinstance(o, ShmDataLoaderIter | SingleProcessIter)]
+        assert left == [], "the dataset keeps the iterator it failed in"
+    assert words[0] == words[1]
+    assert broken._broken is not None and broken._broken.__traceback__ is None
+
+
+class _Caller:
+    """Stands for the iterator whose frames an error's traceback holds."""
+
+    def call(self, fn: Any) -> None:
+        fn()
+
+
+def _caller_freed_after(fn: Any, error: type[BaseException]) -> bool:
+    """Call ``fn`` from a method of an object, catch ``error``, drop it: whether the object is
+    gone (with the collector off: the error made no cycle with the frames it passed)."""
+    caller = _Caller()
+    gone = weakref.ref(caller)
+    with pytest.raises(error):
+        caller.call(fn)
+    del caller
+    return gone() is None
+
+
+def test_teardown_steps_raise_their_first_error_without_a_cycle(no_gc: None) -> None:
+    """Review 81: ``host._every`` (the arena host's teardown) kept the first error in a local."""
+    from shmloader.host import _every
+
+    def fails() -> None:
+        raise RuntimeError("a teardown step failed")
+
+    assert _caller_freed_after(lambda: _every(fails, lambda: None), RuntimeError)
+
+
+def test_an_arena_close_that_raises_keeps_no_cycle(no_gc: None, monkeypatch: Any) -> None:
+    """Review 81: ``Arena.close`` kept the error of its books' last step in a local."""
+    from arena import Arena
+
+    arena = Arena(backend="memfd", max_bytes=1 << 20)
+
+    def fails() -> None:
+        raise RuntimeError("hollowing failed")
+
+    monkeypatch.setattr(arena, "_hollow_free", fails)
+    assert _caller_freed_after(arena.close, RuntimeError)

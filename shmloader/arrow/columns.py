@@ -227,7 +227,10 @@ class VarListPlan(Plan):
                     f"tensors) or collate_fn=shmloader.arrow.collate_padded (padded tensor and "
                     f"lengths)",
                 )
-                raise error
+                try:
+                    raise error
+                finally:  # (a local holding the error its traceback holds this frame by: a
+                    del error  # cycle that kept the iterator until a collection; review 81)
             width = int(lengths[0]) if len(w) else 0
             out = alloc((len(w), width), self.dtype)
             self._fill(out.view(-1), w, g, start, lengths, total)
@@ -304,7 +307,10 @@ class BytesPlan(Plan):
                     f"{self.name!r}; default_collate cannot batch None: fill the nulls before "
                     f"packing (pyarrow.compute.fill_null) or pass a collate_fn that takes None"
                 )
-                raise error
+                try:
+                    raise error
+                finally:
+                    del error  # (as above)
         return values
 
     def _values(self, w: Where, g: Gatherer) -> list[Any]:

@@ -46,6 +46,7 @@ from shmloader.arrow.errors import ArrowSourceError
 from shmloader.arrow.rows import ArrowRows
 from shmloader.arrow.shard import Shard, ShardSpec
 from shmloader.collate import Alloc, private_empty
+from shmloader.notes import raise_kept, traceless
 
 Source: TypeAlias = "str | os.PathLike[str] | pa.Table | Sequence[str | os.PathLike[str]]"
 
@@ -169,7 +170,7 @@ class ArrowDataset(Dataset[dict[str, Any]]):
     def _usable(self) -> None:
         """Raise the error unpickling deferred, if any (module docstring)."""
         if self._broken is not None:
-            raise self._broken.with_traceback(None)
+            raise_kept(self._broken)  # (a copy: the kept one takes no caller's frames)
 
     def __len__(self) -> int:
         self._usable()
@@ -312,7 +313,7 @@ def _restore(specs: list[ShardSpec], columns: list[str],
         shards = [Shard(spec) for spec in specs]
     except (ArrowSourceError, OSError) as exc:
         ds.transform, ds._specs, ds._columns, ds._shards = transform, specs, columns, []
-        ds._broken = exc
+        ds._broken = traceless(exc)  # (its frames held this dataset: a cycle; review 81)
         return ds
     ds._setup(shards, columns, transform)
     return ds

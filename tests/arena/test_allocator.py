@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import closing
 
@@ -608,6 +610,34 @@ def test_a_before_close_that_raises_still_closes_every_slab_given_back():
         assert all(slab.segment.closed for slab in slabs)
         assert arena.stats().bytes_reserved == 0
     finally:
+        arena.close()
+
+
+def test_what_a_before_close_raises_keeps_no_cycle_to_the_caller():
+    """Review 81: the error raised once every slab was closed stayed in a local of the frame its
+    traceback holds, a cycle through which the caller's frames (a loader's iterator) stayed
+    alive until a garbage collection."""
+    arena = Arena(backend="memfd", max_bytes=64 * PAGE, slots_per_slab=1)
+
+    class Caller:  # stands for the iterator whose next() made room at the cap
+        def give_back(self) -> None:
+            arena.give_back_idle(self.fail)
+
+        def fail(self, slab_id: int) -> None:
+            raise RuntimeError(f"unlock of slab {slab_id} failed")
+
+    gc.collect()
+    gc.disable()
+    try:
+        arena.release(acquire(arena, PAGE))
+        caller = Caller()
+        gone = weakref.ref(caller)
+        with pytest.raises(RuntimeError, match="unlock of slab"):
+            caller.give_back()
+        del caller
+        assert gone() is None
+    finally:
+        gc.enable()
         arena.close()
 
 

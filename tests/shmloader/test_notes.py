@@ -5,7 +5,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from shmloader.notes import add_note, frameless
+from shmloader.notes import add_note, frameless, raise_kept, reraise, traceless
 
 
 def test_a_note_is_printed_after_the_message_and_leaves_the_message_alone():
@@ -82,3 +82,58 @@ def test_frameless_walks_an_exception_groups_own_members_and_never_raises():
     assert member.__traceback__ is not None
     assert frameless(group, "kept for later") is group
     assert member.__traceback__ is None
+
+
+class _Hard(Exception):
+    pass
+
+
+def test_raise_kept_raises_a_copy_with_the_words_notes_and_chain_and_keeps_none_of_its_frames():
+    """Review 81: an error kept to raise at every use, raised itself, took each raise's traceback
+    (and with it the caller's frames) for as long as it was kept."""
+    try:
+        try:
+            raise KeyError("the cause")
+        except KeyError as cause:
+            raise _Hard("kept error") from cause
+    except _Hard as e:
+        kept = traceless(e)
+    add_note(kept, "a note")
+    raised = []
+    for _ in range(2):
+        try:
+            raise_kept(kept)
+        except _Hard as e:
+            e.add_note("the user's own note")
+            raised.append(e)
+    first, second = raised
+    assert first is not kept and second is not first
+    assert kept.__traceback__ is None and kept.__notes__ == ["a note"]
+    assert str(first) == "kept error" and first.__notes__ == ["a note", "the user's own note"]
+    assert isinstance(first.__cause__, KeyError) and first.__suppress_context__
+    assert "The above exception was the direct cause" in "".join(traceback.format_exception(first))
+
+
+def test_reraise_raises_what_the_wrapper_raises_and_clears_its_frame():
+    """Review 81: torch's ExceptionWrapper.reraise keeps what it raises in a local of its frame,
+    which the traceback holds: a cycle."""
+    from torch._utils import ExceptionWrapper
+
+    try:
+        raise ValueError("in a worker")
+    except ValueError:
+        wrapper = ExceptionWrapper(where="in DataLoader worker process 0")
+    try:
+        reraise(wrapper)
+    except ValueError as e:
+        error = e
+    assert str(error).startswith("Caught ValueError in DataLoader worker process 0.")
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "reraise":
+        tb = tb.tb_next
+    assert tb is not None  # (this module's frame, then notes.reraise's)
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert all(error not in frame.f_locals.values() for frame in frames)
