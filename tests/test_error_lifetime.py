@@ -22,9 +22,9 @@ from torch.utils.data import Dataset
 import shmloader
 from shmloader import DevicePrefetcher
 from shmloader.epoch import ShmDataLoaderIter
-from shmloader.prefetch import map_tensors
 from shmloader.single import SingleProcessIter
 from tests.lifetime_checks import frees_its_loaders_on_failure, states
+from tests.shmloader.fakes import CloningEngine
 
 BAD = 5  # the sample that raises
 
@@ -51,24 +51,6 @@ class Raises(Dataset[torch.Tensor]):
                 raise TwoArgsError("no sample", i)
             raise ValueError(f"no sample {i}")
         return torch.tensor([i])
-
-
-class _Done:
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class CloningEngine:
-    """A stand-in for the CUDA copy engine: the "device" batch is a clone, complete at once."""
-
-    def copy(self, batch: Any) -> tuple[Any, _Done]:
-        return map_tensors(batch, torch.clone), _Done()
-
-    def hand_over(self, device_batch: Any, event: Any) -> None:
-        pass
 
 
 # What the user catches from a worker (torch's ExceptionWrapper.reraise)

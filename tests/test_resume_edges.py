@@ -34,7 +34,6 @@ from torch.utils.data import (
 
 from arena.errors import ArenaExhaustedError
 from shmloader import DataLoader, DevicePrefetcher
-from shmloader.prefetch import map_tensors
 from tests.fault_datasets import Gate, Gated, Ramp
 from tests.forked import exit_code_of_fork
 from tests.lifetime_checks import frees_its_loaders_on_failure
@@ -51,6 +50,7 @@ from tests.resume_items import (
     seed_all,
     uninterrupted_and_resumed,
 )
+from tests.shmloader.fakes import CloningEngine, DoneEvent
 
 __all__ = ["own_rngs"]  # the autouse fixture, imported to apply here
 
@@ -463,26 +463,6 @@ def test_a_loader_whose_worker_died_takes_the_last_good_state() -> None:
 # -- batches a DevicePrefetcher holds ahead of the user ------------------------------------------
 
 
-class _DoneEvent:
-    """A copy that has completed at once."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class CloningEngine:
-    """A stand-in for the CUDA copy engine: the "device" batch is a clone, complete at once."""
-
-    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
-        return map_tensors(batch, torch.clone), _DoneEvent()
-
-    def hand_over(self, device_batch: Any, event: Any) -> None:
-        pass
-
-
 class LazyDraws(Sampler[int]):
     """Draws each index from the global ``random`` as it is asked for (torch's samplers draw
     their permutation at once)."""
@@ -774,8 +754,8 @@ def test_a_sampler_error_without_workers_keeps_no_rng_state_of_a_batch(prefetche
 class _Keeping:
     """A copy engine whose "device" batch is the host batch itself: the user holds the slots."""
 
-    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
-        return batch, _DoneEvent()
+    def copy(self, batch: Any) -> tuple[Any, DoneEvent]:
+        return batch, DoneEvent()
 
     def hand_over(self, device_batch: Any, event: Any) -> None:
         pass
@@ -894,7 +874,7 @@ class SavesAtFirstCopy(CloningEngine):
         self.loader = loader
         self.states: list[dict[str, Any]] = []
 
-    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
+    def copy(self, batch: Any) -> tuple[Any, DoneEvent]:
         if not self.states:
             thread = threading.Thread(target=lambda: self.states.append(self.loader.state_dict()))
             thread.start()
@@ -1029,7 +1009,7 @@ class SavesAtCopy(CloningEngine):
         self.loader, self.seen, self.at, self.copies = loader, seen, at, 0
         self.saved: tuple[int, dict[str, Any]] | None = None
 
-    def copy(self, batch: Any) -> tuple[Any, _DoneEvent]:
+    def copy(self, batch: Any) -> tuple[Any, DoneEvent]:
         self.copies += 1
         if self.copies == self.at:
             out: list[dict[str, Any]] = []
