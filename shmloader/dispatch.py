@@ -146,7 +146,10 @@ class Dispatch:
         self.unsent: dict[int, Any] = {}  # seq -> index: decided, waiting for a free slot
         self.wanting: dict[int, int] = {}  # seq -> bytes of a slot a sent task waits for
         self.asked: set[int] = set()  # seqs whose worker sent NEED_SLOT and waits
-        self.denied: dict[int, ArenaCapacityError] = {}  # seq -> why: DENY sent, not yet acked
+        # seq -> why, kept without frames: DENY sent, not yet acknowledged (an error kept with
+        # its traceback held the iterator's frames, and the iterator's finalizer holds this
+        # dispatch: a dropped iterator was never freed, not even by a collection; review 82)
+        self.denied: dict[int, MainError] = {}
         # (epoch, seq) -> (worker, slots) of tasks of abandoned epochs not yet answered
         self.orphans: dict[tuple[int, int], Orphan] = {}
         # (seq, worker) of this epoch's EXHAUSTED answers: no batch, yet the worker's RNG moved
@@ -472,7 +475,7 @@ class Dispatch:
         self.wanting.pop(info.seq, None)
         if info.seq in self.asked:
             self.asked.discard(info.seq)
-            self.denied[info.seq] = exc
+            self.denied[info.seq] = MainError(exc)
             self.sup.send(info.worker_id, P.Deny(info.seq, self.epoch))
         elif info.seq in self.unsent and not any(
             seq < info.seq and self.tasks.get(seq).worker_id == info.worker_id  # type: ignore[union-attr]
@@ -840,7 +843,7 @@ class Dispatch:
     def answer(self, info: TaskInfo[Answer], msg: Answer) -> None:
         """Record a task's answer."""
         if isinstance(msg, P.Dropped):  # a denied task: it fails with the main process's error
-            msg = P.Failed(msg.seq, msg.epoch, msg.worker_id, MainError(self.denied.pop(msg.seq)))
+            msg = P.Failed(msg.seq, msg.epoch, msg.worker_id, self.denied.pop(msg.seq))
         if isinstance(msg, P.Ready):
             if msg.ref != info.ref:
                 raise RuntimeError(

@@ -10,9 +10,11 @@ the frames its traceback holds; where it was raised goes in a note. :func:`rerai
 torch's ``ExceptionWrapper.reraise()`` raises (a worker's error, a custom ``pin_memory()``'s),
 without the reference cycle torch's frame makes.
 
-Invariant: an error shmloader raises to the user forms no reference cycle with the frames it
-passed, so an iterator the user drops after catching it goes with its last reference, its
-workers and slots with it, not at some later garbage collection.
+Invariant: an error shmloader raises to the user, or keeps to raise later, forms no reference
+cycle with the frames it passed (nor a chain from what outlives them), so an iterator the user
+drops after catching it goes with its last reference, its workers and slots with it, not at some
+later garbage collection. (One exception, :mod:`shmloader.prefetch`'s: an error a
+``DevicePrefetcher`` still holds queued when it is dropped.)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # (Python 3.11+)
 # dataclass) still has its context read and cut
 _CONTEXT: Any = vars(BaseException)["__context__"]
 _CAUSE: Any = vars(BaseException)["__cause__"]
+_SUPPRESS: Any = vars(BaseException)["__suppress_context__"]
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -99,15 +102,20 @@ def raise_kept(error: BaseException) -> NoReturn:
     """Raise ``error``, kept (:func:`traceless`) to be raised at every use, as a copy with its
     words, notes and chain: raised itself, it would keep each raise's traceback, whose frames
     hold the caller (an iterator whose sampler asked a broken dataset for its length, its
-    workers and slots with it) for as long as the keeper keeps the error (review 81). One that
-    cannot be copied is raised itself."""
+    workers and slots with it) for as long as the keeper keeps the error (review 81). The copy
+    is rebuilt from the error's arguments (``ArrowSourceError`` and ``OSError`` are); one that
+    cannot be, or whose words change so, is raised itself."""
     try:
-        fresh = copy.copy(error)
-        BaseException.with_traceback(fresh, None)
-        fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
-        fresh.__suppress_context__ = error.__suppress_context__
-        if isinstance(getattr(fresh, "__notes__", None), list):
-            fresh.__notes__ = list(fresh.__notes__)  # (notes added to it stay its own)
+        fresh = _copy(error)  # (through BaseException's own descriptors below: a class may
+        BaseException.with_traceback(fresh, None)  # refuse them, a frozen dataclass)
+        _CAUSE.__set__(fresh, _CAUSE.__get__(error))
+        _CONTEXT.__set__(fresh, _CONTEXT.__get__(error))
+        _SUPPRESS.__set__(fresh, _SUPPRESS.__get__(error))
+        notes = getattr(error, "__notes__", None)
+        if isinstance(notes, list):  # (notes added to the copy stay its own)
+            object.__setattr__(fresh, "__notes__", list(notes))
+        if type(fresh) is not type(error) or str(fresh) != str(error):
+            fresh = error  # (a class whose constructor rewords its arguments)
     except Exception:  # noqa: BLE001
         fresh = error
     try:
@@ -116,21 +124,35 @@ def raise_kept(error: BaseException) -> NoReturn:
         del fresh, error
 
 
+def _copy(error: BaseException) -> BaseException:
+    """``copy.copy(error)``, or where its state cannot be set so (a frozen dataclass refuses
+    ``__setstate__``'s assignments), made from its arguments and given its ``__dict__``."""
+    try:
+        return copy.copy(error)
+    except Exception:  # noqa: BLE001
+        fresh = type(error).__new__(type(error), *error.args)
+        vars(fresh).update(vars(error))
+        return fresh
+
+
 def reraise(wrapper: Any) -> NoReturn:
     """Raise what ``wrapper.reraise()`` raises (torch's ``ExceptionWrapper``, or a
-    ``MainError``), with the same type, words and traceback, but with the locals of the frames
-    it was raised in cleared: torch's ``reraise`` keeps the exception it raises in a local, so
-    the exception's traceback held the frame that held the exception, a cycle through which the
+    ``MainError``), with the same type, words and traceback, but with the locals of the
+    wrapper's ``reraise`` frame cleared: torch's keeps the exception it raises in a local, so the
+    exception's traceback held the frame that held the exception, a cycle through which the
     traceback's other frames (the iterator's own ``next()``) kept a dropped iterator, its workers
     and its slots alive until a garbage collection (review 81)."""
+    code = getattr(getattr(type(wrapper), "reraise", None), "__code__", None)
     try:
         wrapper.reraise()
     except BaseException as error:
         tb = error.__traceback__
-        tb = None if tb is None else tb.tb_next  # (this frame's entry: still running)
-        while tb is not None:
-            with contextlib.suppress(RuntimeError):  # (a frame still running: none here)
+        tb = None if tb is None else tb.tb_next  # (after this frame's entry: its reraise's)
+        # Only the wrapper's own reraise frame: any frame after it is the user's (an exception
+        # class's constructor), whose locals are theirs to inspect (review 82).
+        if tb is not None and tb.tb_frame.f_code is code:
+            with contextlib.suppress(RuntimeError):  # (a frame still running cannot be)
                 tb.tb_frame.clear()
-            tb = tb.tb_next
+        tb = None  # (that entry's frame leads back here, through f_back: a cycle)
         raise
     raise TypeError(f"{type(wrapper).__name__}.reraise() returned instead of raising")

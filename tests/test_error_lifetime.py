@@ -11,6 +11,7 @@ long-running program can be minutes away).
 from __future__ import annotations
 
 import gc
+import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -54,6 +55,7 @@ class Raises(Dataset[torch.Tensor]):
 
 
 # What the user catches from a worker (torch's ExceptionWrapper.reraise)
+_ITERATORS = (ShmDataLoaderIter, SingleProcessIter)
 RAISED = {"ValueError": ValueError, "KeyError": KeyError, "TwoArgsError": RuntimeError}
 
 
@@ -176,12 +178,13 @@ def test_an_arrow_dataset_unpickled_after_its_file_changed_keeps_no_iterator(
     loader = shmloader.DataLoader(broken, batch_size=4, **more)
     words = []
     for _ in range(2):  # (with workers, iter() raises: the sampler's first draws ask len())
+        before = {id(o) for o in gc.get_objects() if isinstance(o, _ITERATORS)}
         with pytest.raises(ArrowSourceError, match="changed since it was opened") as raised:
             next(iter(loader))
         words.append(str(raised.value))
         del raised
         gc.collect()
-        left = [o for o in gc.get_objects() if isinstance(o, ShmDataLoaderIter | SingleProcessIter)]
+        left = [o for o in gc.get_objects() if isinstance(o, _ITERATORS) and id(o) not in before]
         assert left == [], "the dataset keeps the iterator it failed in"
     assert words[0] == words[1]
     assert broken._broken is not None and broken._broken.__traceback__ is None
@@ -226,3 +229,33 @@ def test_an_arena_close_that_raises_keeps_no_cycle(no_gc: None, monkeypatch: Any
 
     monkeypatch.setattr(arena, "_hollow_free", fails)
     assert _caller_freed_after(arena.close, RuntimeError)
+
+
+@frees_its_loaders_on_failure
+def test_unpickling_a_changed_arrow_dataset_in_a_handler_leaves_the_users_traceback(
+    tmp_path: Any,
+) -> None:
+    """Review 82: the error such a dataset keeps was made traceless with its whole chain, the
+    exception the caller was handling (its ``__context__``) included: that one's traceback was
+    wiped, so a bare ``raise`` after the unpickling lost where the user's own error came from.
+    It is left alone, and the kept error no longer names it as its context."""
+    pa = pytest.importorskip("pyarrow")
+    import copy
+
+    import numpy as np
+
+    from shmloader.arrow import ArrowDataset, ArrowSourceError
+    from tests.arrow_files import write_file
+
+    path = write_file(pa.table({"y": np.arange(40)}), tmp_path / "t.arrow")
+    dataset = ArrowDataset(path)
+    write_file(pa.table({"y": np.full(40, 2)}), path)
+    try:
+        raise LookupError("the user's own")
+    except LookupError as handled:
+        frames = len(traceback.extract_tb(handled.__traceback__))
+        broken = copy.deepcopy(dataset)
+        assert len(traceback.extract_tb(handled.__traceback__)) == frames >= 1
+    with pytest.raises(ArrowSourceError) as raised:
+        len(broken)
+    assert not isinstance(raised.value.__context__, LookupError)

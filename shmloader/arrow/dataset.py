@@ -33,6 +33,7 @@ import errno
 import operator
 import os
 import resource
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -170,7 +171,8 @@ class ArrowDataset(Dataset[dict[str, Any]]):
     def _usable(self) -> None:
         """Raise the error unpickling deferred, if any (module docstring)."""
         if self._broken is not None:
-            raise_kept(self._broken)  # (a copy: the kept one takes no caller's frames)
+            # a copy: the kept one takes no caller's frames (review 81)
+            raise_kept(self._broken)
 
     def __len__(self) -> int:
         self._usable()
@@ -309,11 +311,14 @@ def _restore(specs: list[ShardSpec], columns: list[str],
     """Unpickle: re-open every shard and rebuild the plans; a file changed or gone since makes a
     dataset whose first use raises that error (module docstring: why not raise here)."""
     ds = ArrowDataset.__new__(ArrowDataset)
+    handled = sys.exc_info()[1]  # (unpickled while the caller handles an exception)
     try:
         shards = [Shard(spec) for spec in specs]
     except (ArrowSourceError, OSError) as exc:
         ds.transform, ds._specs, ds._columns, ds._shards = transform, specs, columns, []
-        ds._broken = traceless(exc)  # (its frames held this dataset: a cycle; review 81)
+        # Kept without frames (they held this dataset: a cycle; review 81), and without the
+        # caller's own exception, whose traceback is theirs (review 82).
+        ds._broken = traceless(exc, handled)
         return ds
     ds._setup(shards, columns, transform)
     return ds

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from arena import ArenaExhaustedError
+from arena import ArenaCapacityError, ArenaExhaustedError
 from arena._layout import PAGE
 from shmloader import protocol as P
 from shmloader.dispatch import Dispatch, Orphan
@@ -105,3 +105,20 @@ def test_a_main_process_error_keeps_no_frame_it_was_caught_in_and_raises_a_copy(
         assert raised.value is not error.exc
     finally:
         gc.enable()
+
+
+def test_a_denied_batchs_error_is_kept_without_the_frames_it_was_caught_in(host):
+    """Review 82: the error of a batch denied (larger than the cap) was kept with its traceback
+    until the worker acknowledged the DENY; the traceback's frames hold the iterator, and the
+    iterator's finalizer holds the dispatch, so an iterator dropped before the acknowledgement
+    was never freed, not even by a garbage collection."""
+    d = Dispatch(host, FakeSupervisor(2), 2, 4, True, threading.RLock())  # type: ignore[arg-type]
+    task = d.tasks.add(0, None)
+    d.num_tasks[0] += 1
+    d.need(task, P.NeedSlot(task.seq, d.epoch, 0, 8 * PAGE, None))  # twice the cap
+    assert d.sup.sent[-1] == (0, P.Deny(task.seq, d.epoch))  # type: ignore[attr-defined]
+    kept = d.denied[task.seq].exc
+    assert kept.__traceback__ is None and kept.__context__ is None
+    d.answer(task, P.Dropped(task.seq, d.epoch, 0))  # acknowledged: the task fails with it
+    with pytest.raises(ArenaCapacityError, match="larger than"):
+        task.answer.error.reraise()  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from typing import Any
 
@@ -137,3 +138,57 @@ def test_reraise_raises_what_the_wrapper_raises_and_clears_its_frame():
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     assert all(error not in frame.f_locals.values() for frame in frames)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen(Exception):
+    what: str
+
+
+class _Rewords(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name}: changed since it was opened")
+
+
+def test_raise_kept_keeps_no_frame_of_a_frozen_error_and_the_words_of_one_that_rewords():
+    """Review 82: the copy's chain was set through the class's own ``__setattr__``, which a
+    frozen dataclass refuses (the kept error itself was raised, taking the caller's frames);
+    and ``copy.copy`` rebuilds an error from its arguments, which a constructor that rewords
+    them words twice (that one is raised itself, its words kept)."""
+    frozen = traceless(_Frozen("kept"))
+    try:
+        raise_kept(frozen)
+    except _Frozen as e:
+        assert e is not frozen and e.what == "kept"
+    assert frozen.__traceback__ is None
+    rewords = traceless(_Rewords("t.arrow"))
+    try:
+        raise_kept(rewords)
+    except _Rewords as e:
+        assert str(e) == "t.arrow: changed since it was opened"
+
+
+def _users_own_code() -> None:
+    users_local = "theirs to inspect"  # noqa: F841
+    raise ValueError("raised by the user's code")
+
+
+class _Wrapper:
+    def reraise(self) -> None:
+        _users_own_code()
+
+
+def test_reraise_clears_only_the_wrappers_own_frame():
+    """Review 82: every frame after notes.reraise's was cleared, the user's own too (an
+    exception class's constructor on torch's ``message=`` path): their locals were gone for
+    ``--showlocals`` and post-mortem debugging."""
+    try:
+        reraise(_Wrapper())
+    except ValueError as e:
+        tb = e.__traceback__
+        names = {}
+        while tb is not None:
+            names[tb.tb_frame.f_code.co_name] = tb.tb_frame.f_locals
+            tb = tb.tb_next
+    assert names["_users_own_code"] == {"users_local": "theirs to inspect"}
+    assert names["reraise"] == {}  # (the wrapper's: the last frame of that name)
