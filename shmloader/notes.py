@@ -23,6 +23,7 @@ import builtins
 import contextlib
 import copy
 import traceback
+from types import TracebackType
 from typing import Any, NoReturn
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # (Python 3.11+)
@@ -103,20 +104,13 @@ def raise_kept(error: BaseException) -> NoReturn:
     words, notes and chain: raised itself, it would keep each raise's traceback, whose frames
     hold the caller (an iterator whose sampler asked a broken dataset for its length, its
     workers and slots with it) for as long as the keeper keeps the error (review 81). The copy
-    is rebuilt from the error's arguments (``ArrowSourceError`` and ``OSError`` are); one that
-    cannot be, or whose words change so, is raised itself."""
-    try:
-        fresh = _copy(error)  # (through BaseException's own descriptors below: a class may
-        BaseException.with_traceback(fresh, None)  # refuse them, a frozen dataclass)
-        _CAUSE.__set__(fresh, _CAUSE.__get__(error))
-        _CONTEXT.__set__(fresh, _CONTEXT.__get__(error))
-        _SUPPRESS.__set__(fresh, _SUPPRESS.__get__(error))
-        notes = getattr(error, "__notes__", None)
-        if isinstance(notes, list):  # (notes added to the copy stay its own)
-            object.__setattr__(fresh, "__notes__", list(notes))
-        if type(fresh) is not type(error) or str(fresh) != str(error):
-            fresh = error  # (a class whose constructor rewords its arguments)
-    except Exception:  # noqa: BLE001
+    is rebuilt from the error's arguments (``ArrowSourceError`` and ``OSError`` are: through
+    ``copy.copy``, else ``__new__`` and its ``__dict__``). One that no way copies with the same
+    words is raised itself, its last traceback cleared first: then it holds only the last
+    caller it failed (review 83)."""
+    fresh = _copy(error)
+    if fresh is None:
+        BaseException.with_traceback(error, None)
         fresh = error
     try:
         raise fresh
@@ -124,15 +118,34 @@ def raise_kept(error: BaseException) -> NoReturn:
         del fresh, error
 
 
-def _copy(error: BaseException) -> BaseException:
-    """``copy.copy(error)``, or where its state cannot be set so (a frozen dataclass refuses
-    ``__setstate__``'s assignments), made from its arguments and given its ``__dict__``."""
-    try:
-        return copy.copy(error)
-    except Exception:  # noqa: BLE001
-        fresh = type(error).__new__(type(error), *error.args)
-        vars(fresh).update(vars(error))
-        return fresh
+def _copy(error: BaseException) -> BaseException | None:
+    """A copy of ``error`` with its type, words, notes and chain, no traceback; or None."""
+    for make in (copy.copy, _from_args):
+        try:
+            fresh = make(error)
+            if type(fresh) is not type(error) or str(fresh) != str(error):
+                continue  # (a constructor that rewords its arguments, a __reduce__ of another)
+            # through BaseException's own descriptors: a class may refuse them (frozen)
+            BaseException.with_traceback(fresh, None)
+            _CAUSE.__set__(fresh, _CAUSE.__get__(error))
+            _CONTEXT.__set__(fresh, _CONTEXT.__get__(error))
+            _SUPPRESS.__set__(fresh, _SUPPRESS.__get__(error))
+            notes = getattr(error, "__notes__", None)
+            if isinstance(notes, list):  # (notes added to the copy stay its own)
+                object.__setattr__(fresh, "__notes__", list(notes))
+            return fresh
+        except Exception:  # noqa: BLE001  (a __str__ that raises, a __new__ that wants more)
+            continue
+    return None
+
+
+def _from_args(error: BaseException) -> BaseException:
+    """``error``'s class made from its arguments without its constructor, given its
+    ``__dict__`` (what ``copy.copy`` cannot rebuild: a frozen dataclass refuses
+    ``__setstate__``'s assignments, a constructor may reword its arguments)."""
+    fresh = type(error).__new__(type(error), *error.args)
+    vars(fresh).update(vars(error))
+    return fresh
 
 
 def reraise(wrapper: Any) -> NoReturn:
@@ -146,13 +159,19 @@ def reraise(wrapper: Any) -> NoReturn:
     try:
         wrapper.reraise()
     except BaseException as error:
-        tb = error.__traceback__
-        tb = None if tb is None else tb.tb_next  # (after this frame's entry: its reraise's)
-        # Only the wrapper's own reraise frame: any frame after it is the user's (an exception
-        # class's constructor), whose locals are theirs to inspect (review 82).
-        if tb is not None and tb.tb_frame.f_code is code:
-            with contextlib.suppress(RuntimeError):  # (a frame still running cannot be)
-                tb.tb_frame.clear()
-        tb = None  # (that entry's frame leads back here, through f_back: a cycle)
+        # (in a function of its own: a local here holding a traceback entry after this frame's
+        # would lead back to this frame through that entry's f_back, a cycle if anything
+        # raised in between; review 83)
+        _clear_frame_after(error.__traceback__, code)
         raise
     raise TypeError(f"{type(wrapper).__name__}.reraise() returned instead of raising")
+
+
+def _clear_frame_after(tb: TracebackType | None, code: Any) -> None:
+    """Clear the locals of the frame after ``tb``'s first entry if it runs ``code``: only the
+    wrapper's own ``reraise``, never a frame after it, which is the user's (an exception class's
+    constructor), whose locals are theirs to inspect (review 82)."""
+    after = None if tb is None else tb.tb_next
+    if after is not None and after.tb_frame.f_code is code:
+        with contextlib.suppress(RuntimeError):  # (a frame still running cannot be)
+            after.tb_frame.clear()

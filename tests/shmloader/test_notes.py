@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import sys
 import traceback
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from shmloader.notes import add_note, frameless, raise_kept, reraise, traceless
@@ -166,6 +170,110 @@ def test_raise_kept_keeps_no_frame_of_a_frozen_error_and_the_words_of_one_that_r
         raise_kept(rewords)
     except _Rewords as e:
         assert str(e) == "t.arrow: changed since it was opened"
+        assert e is not rewords  # (review 83: it was raised itself, keeping the caller)
+    assert rewords.__traceback__ is None
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no words")
+
+
+class _Holder:
+    def use(self, kept: BaseException) -> None:
+        raise_kept(kept)
+
+
+def test_an_error_raise_kept_cannot_copy_holds_only_the_last_caller_it_failed():
+    """Review 83: one that no way copies (its words cannot be compared) is raised itself; each
+    raise clears the traceback the last one gave it, so it holds one caller's frames at most."""
+    kept = traceless(_Unprintable("kept"))
+    first, second = _Holder(), _Holder()
+    gone = weakref.ref(first)
+    gc.collect()
+    gc.disable()
+    try:
+        for holder in (first, second):
+            try:
+                holder.use(kept)
+            except _Unprintable as e:
+                assert e is kept
+        del holder, first
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def _lines_run(code: Any, run: Callable[[], None]) -> list[int]:
+    lines: list[int] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is code:
+            def local(frame: Any, event: str, arg: Any) -> Any:
+                if event == "line":
+                    lines.append(frame.f_lineno)
+                return local
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        run()
+    except BaseException:  # noqa: BLE001
+        pass
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+def _interrupt_at(code: Any, line: int) -> Callable[..., Any]:
+    """A trace function raising KeyboardInterrupt when ``code`` reaches ``line``."""
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == line:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+
+        return local
+
+    return tracer
+
+
+def test_a_ctrl_c_anywhere_in_reraise_leaves_no_cycle():
+    """Review 83: a local of notes.reraise holding a traceback entry after its own led back to
+    its frame (that entry's ``f_back``): a KeyboardInterrupt raised while it was set left a cycle
+    holding the caller until a garbage collection. Raised at each line of reraise and of its
+    helper in turn, none does."""
+    from shmloader import notes
+    from shmloader.dispatch import MainError
+
+    def call(holder: Any) -> None:
+        reraise(MainError(ValueError("a worker's")))
+
+    for code in (notes.reraise.__code__, notes._clear_frame_after.__code__):
+        for line in sorted(set(_lines_run(code, lambda: call(None)))):
+            tracer = _interrupt_at(code, line)
+            holder = _Holder()
+            gone = weakref.ref(holder)
+            gc.collect()
+            gc.disable()
+            try:
+                sys.settrace(tracer)
+                try:
+                    call(holder)
+                except (KeyboardInterrupt, ValueError):
+                    pass
+                finally:
+                    sys.settrace(None)
+                del holder
+                assert gone() is None, f"a Ctrl-C at line {line} of {code.co_name} left a cycle"
+            finally:
+                gc.enable()
 
 
 def _users_own_code() -> None:
