@@ -23,7 +23,7 @@ import builtins
 import contextlib
 import copy
 import traceback
-from types import TracebackType
+from types import MemberDescriptorType, TracebackType
 from typing import Any, NoReturn
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # (Python 3.11+)
@@ -101,42 +101,73 @@ def traceless(error: BaseException, handled: BaseException | None = None) -> Bas
 
 def raise_kept(error: BaseException) -> NoReturn:
     """Raise ``error``, kept (:func:`traceless`) to be raised at every use, as a copy with its
-    words, notes and chain: raised itself, it would keep each raise's traceback, whose frames
-    hold the caller (an iterator whose sampler asked a broken dataset for its length, its
-    workers and slots with it) for as long as the keeper keeps the error (review 81). The copy
-    is rebuilt from the error's arguments (``ArrowSourceError`` and ``OSError`` are: through
-    ``copy.copy``, else ``__new__`` and its ``__dict__``). One that no way copies with the same
-    words is raised itself, its last traceback cleared first: then it holds only the last
-    caller it failed (review 83)."""
-    fresh = _copy(error)
+    words, fields, notes and chain, each link copied too: raised itself, it would keep each
+    raise's traceback, whose frames hold the caller (an iterator whose sampler asked a broken
+    dataset for its length, its workers and slots with it) for as long as the keeper keeps the
+    error (review 81); and a caller that raised a link of its chain, or noted on it, would
+    leave that in the kept one (review 84). Each is rebuilt from its arguments
+    (``ArrowSourceError`` and ``OSError`` are: through ``copy.copy``, else ``__new__`` and its
+    ``__dict__``), with its C-level fields (``filename2``, ``name``...). One that no way copies
+    with the same words is raised itself, its last traceback and context cleared first: it holds
+    only the last caller it failed (review 83)."""
+    raise _fresh(error)  # (no local holds what is raised: no cycle with this frame; review 84)
+
+
+def _fresh(error: BaseException) -> BaseException:
+    fresh = _copy(error, {})
     if fresh is None:
         BaseException.with_traceback(error, None)
-        fresh = error
-    try:
-        raise fresh
-    finally:
-        del fresh, error
+        _CONTEXT.__set__(error, None)  # (the last caller's own exception, else)
+        return error
+    return fresh
 
 
-def _copy(error: BaseException) -> BaseException | None:
-    """A copy of ``error`` with its type, words, notes and chain, no traceback; or None."""
+def _copy(error: BaseException, made: dict[int, BaseException | None]) -> BaseException | None:
+    """A copy of ``error`` with its type, words, fields, notes and chain (links copied as far
+    as they copy: ``made`` maps the ``id`` of each link met to its copy), no traceback; or
+    None."""
+    if id(error) in made:
+        return made[id(error)]
+    made[id(error)] = None  # (a chain that loops back shares that link)
     for make in (copy.copy, _from_args):
         try:
             fresh = make(error)
-            if type(fresh) is not type(error) or str(fresh) != str(error):
-                continue  # (a constructor that rewords its arguments, a __reduce__ of another)
+            if type(fresh) is not type(error):
+                continue  # (a __reduce__ of another class)
+            _copy_fields(error, fresh)
+            if str(fresh) != str(error):
+                continue  # (a constructor that rewords its arguments)
             # through BaseException's own descriptors: a class may refuse them (frozen)
             BaseException.with_traceback(fresh, None)
-            _CAUSE.__set__(fresh, _CAUSE.__get__(error))
-            _CONTEXT.__set__(fresh, _CONTEXT.__get__(error))
+            made[id(error)] = fresh
+            for link in (_CAUSE, _CONTEXT):
+                old = link.__get__(error)
+                link.__set__(fresh, None if old is None else _copy(old, made) or old)
             _SUPPRESS.__set__(fresh, _SUPPRESS.__get__(error))
             notes = getattr(error, "__notes__", None)
             if isinstance(notes, list):  # (notes added to the copy stay its own)
                 object.__setattr__(fresh, "__notes__", list(notes))
             return fresh
         except Exception:  # noqa: BLE001  (a __str__ that raises, a __new__ that wants more)
+            made[id(error)] = None
             continue
     return None
+
+
+def _copy_fields(error: BaseException, fresh: BaseException) -> None:
+    """Copy the C-level fields of ``error`` (member descriptors of its classes: ``OSError``'s
+    ``filename2``, ``AttributeError``'s ``name`` and ``obj``, ``__slots__``) that rebuilding from
+    the arguments leaves out. One not set, or None, is left as the copy has it (set to None,
+    ``OSError``'s words would name a second file ``None``)."""
+    for cls in type(error).__mro__:
+        for name, field in vars(cls).items():
+            if isinstance(field, MemberDescriptorType) and name != "__suppress_context__":
+                try:
+                    value = field.__get__(error)
+                except AttributeError:
+                    continue  # (a slot never set)
+                if value is not None:
+                    field.__set__(fresh, value)
 
 
 def _from_args(error: BaseException) -> BaseException:
