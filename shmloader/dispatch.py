@@ -59,7 +59,6 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
 import gc
 import threading
 import time
@@ -72,6 +71,7 @@ from arena._layout import page_align
 from shmloader import protocol as P
 from shmloader.host import ArenaHost
 from shmloader.lease import Leases, Spilled
+from shmloader.notes import raise_kept
 from shmloader.reorder import TaskInfo, TaskTable
 from shmloader.supervisor import Supervisor
 
@@ -103,19 +103,19 @@ class MainError:
     """An error of the main process's own for one task (a batch that can never fit the arena),
     raised at that batch's turn like a worker's error.
 
-    It keeps the error without the traceback and context it was caught with, and raises a copy:
-    a traceback holds the frames it passed (the dispatch's, and through them the iterator's),
-    and this object is held by the task's answer in the dispatch, so keeping or raising the
-    caught error itself made a cycle that kept a dropped iterator, its workers and its slabs
-    alive until the garbage collector ran (review 42: a fresh loader's retry found /dev/shm
-    still full)."""
+    It keeps the error without the traceback and context it was caught with, and raises a copy
+    (:func:`~shmloader.notes.raise_kept`): a traceback holds the frames it passed (the
+    dispatch's, and through them the iterator's), and this object is held by the task's answer
+    in the dispatch, so keeping or raising the caught error itself made a cycle that kept a
+    dropped iterator, its workers and its slabs alive until the garbage collector ran (review
+    42: a fresh loader's retry found /dev/shm still full)."""
 
     def __init__(self, exc: BaseException) -> None:
         exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         self.exc = exc
 
     def reraise(self) -> None:
-        raise copy.copy(self.exc)
+        raise_kept(self.exc)
 
 
 class Dispatch:
